@@ -1,0 +1,2 @@
+"""eaglex: lossless EAGLE speculative decoding."""
+__version__ = "0.1.0"

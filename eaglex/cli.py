@@ -1,0 +1,165 @@
+"""The `eaglex` command line. Thin: flags become config dataclasses, then one library call per command."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eaglex.models.errors import ModelError
+
+METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--target", type=Path, help="Hugging Face model folder of the target (Llama family)")
+    g.add_argument("--draft", type=Path, help="EAGLE head folder (official EAGLE-3 or EAGLE-1/2 layout)")
+    g.add_argument("--engine", type=Path, help="engine folder written by `eaglex build` (instead of --target)")
+    g.add_argument("--draft-kind", choices=("eagle3", "eagle1"), help="force the head kind instead of detecting it")
+    g.add_argument("--method", choices=METHODS,
+                   help="eagle3: EAGLE-3 head + dynamic tree; eagle2: EAGLE-1/2 head + dynamic tree; eagle1: "
+                        "EAGLE-1/2 head + static tree; vanilla: no drafting (default: what the draft holds)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    t = p.add_argument_group("tree")
+    t.add_argument("--tree", choices=("dynamic", "static", "chain"),
+                   help="dynamic (EAGLE-2), static (EAGLE-1 mc_sim_7b_63) or chain (default: by method)")
+    t.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified, root included")
+    t.add_argument("--depth", type=int, default=7, help="draft expansion steps after the first draft step")
+    t.add_argument("--tree-top-k", type=int, default=10, help="dynamic tree: nodes expanded per level")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglex", description="Lossless EAGLE speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with speculative (or vanilla) decoding")
+    _model_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one text prompt (needs a tokenizer in the target folder)")
+    src.add_argument("--prompts", type=Path, help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line')
+    gen.add_argument("--out", type=Path, help="write one JSON line per prompt here instead of printing text")
+
+    chk = sub.add_parser("check", help="compare speculative with vanilla on the same backend; exit 1 on mismatch")
+    _model_args(chk)
+    chk.add_argument("--prompts", type=Path, required=True)
+    chk.add_argument("--samples", type=int, default=300, help="sampling check: generations per prompt")
+    return parser
+
+
+def resolve(args) -> tuple:
+    """(backend, method, TreeConfig, SamplingConfig) from the flags, or a ModelError."""
+    from eaglex.runtime.types import SamplingConfig, TreeConfig
+
+    if args.engine is not None:
+        from eaglex.runtime.ort_backend import OrtBackend    # noqa: PLC0415 - optional until engines are used
+        if args.target or args.draft:
+            raise ModelError("give either --engine or --target/--draft, not both")
+        backend = OrtBackend(args.engine)
+    elif args.target is not None:
+        from eaglex.runtime.torch_backend import TorchBackend
+        backend = TorchBackend(args.target, args.draft, args.dtype, args.draft_kind)
+    else:
+        raise ModelError("give --target DIR (and --draft DIR) or --engine DIR")
+    kind = backend.draft_kind
+    method = args.method or {"eagle3": "eagle3", "eagle1": "eagle2", None: "vanilla"}[kind]
+    if method != "vanilla":
+        if kind is None:
+            raise ModelError(f"--method {method} needs a draft head (--draft DIR)")
+        want = "eagle3" if method == "eagle3" else "eagle1"
+        if kind != want:
+            hint = "eagle3" if kind == "eagle3" else "eagle2 or eagle1"
+            raise ModelError(f"--method {method} needs an {'EAGLE-3' if want == 'eagle3' else 'EAGLE-1/2'} head, "
+                             f"but the draft is an {'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} head: "
+                             f"use --method {hint}")
+    tree_kind = args.tree or ("static" if method == "eagle1" else "dynamic")
+    try:
+        tree = TreeConfig(tree_kind, args.total_tokens, args.depth, args.tree_top_k)
+        sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    if args.max_new_tokens < 0:
+        raise ModelError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    return backend, method, tree, sampling
+
+
+def _prompts(args, backend) -> tuple[list[list[int]], object]:
+    from eaglex.prompts import encode, load_tokenizer, read_prompts
+    tok = load_tokenizer(getattr(backend, "tokenizer_dir", None) or args.target)
+    if getattr(args, "prompt", None) is not None:
+        return [encode({"prompt": args.prompt}, tok, args.chat, "--prompt")], tok
+    return read_prompts(args.prompts, tok, args.chat), tok
+
+
+def cmd_generate(args) -> int:
+    from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+
+    backend, method, tree, sampling = resolve(args)
+    prompts, tok = _prompts(args, backend)
+    gen = VanillaGenerator(backend, sampling) if method == "vanilla" else SpeculativeGenerator(backend, tree, sampling)
+    out = open(args.out, "w") if args.out else None
+    try:
+        for ids in prompts:
+            try:
+                r = gen.generate(ids, args.max_new_tokens)
+            except ValueError as e:
+                raise ModelError(str(e)) from None
+            if out:
+                out.write(json.dumps(r.to_json()) + "\n")
+                continue
+            print(tok.decode(r.output_ids) if tok is not None else " ".join(map(str, r.output_ids)))
+            tps = len(r.output_ids) / r.seconds if r.seconds else 0.0
+            print(f"[{method}] {len(r.output_ids)} tokens in {r.seconds:.3f} s ({tps:.1f} tokens/s), "
+                  f"tau {r.tau:.2f} over {r.cycles} cycles, stop: {r.stop_reason}", file=sys.stderr)
+    finally:
+        if out:
+            out.close()
+    return 0
+
+
+def cmd_check(args) -> int:
+    from eaglex.runtime.equivalence import check_distribution, check_greedy
+
+    backend, method, tree, sampling = resolve(args)
+    if method == "vanilla":
+        raise ModelError("check compares speculative with vanilla decoding: give a draft head")
+    prompts, _ = _prompts(args, backend)
+    if sampling.greedy:
+        rows = check_greedy(backend, tree, prompts, args.max_new_tokens)
+        print(f"{'#':>3} {'identical':>9} {'tau':>5} {'tokens':>6}  first divergence (logit margin)")
+        for r in rows:
+            div = "-" if r.identical else f"at {r.divergence} (margin {r.margin:.3g})"
+            print(f"{r.index:>3} {'yes' if r.identical else 'NO':>9} {r.tau:>5.2f} {r.new_tokens:>6}  {div}")
+        bad = sum(not r.identical for r in rows)
+        taus = [r.tau for r in rows if r.speculative.cycles]
+        print(f"{len(rows) - bad}/{len(rows)} identical to vanilla ({method}, {tree.kind} tree, {backend.dtype}); "
+              f"mean tau {sum(taus) / max(len(taus), 1):.2f}")
+        return 1 if bad else 0
+    rows = check_distribution(backend, tree, sampling, prompts, samples=args.samples)
+    print(f"{'#':>3} {'samples':>7} {'chi2':>8} {'dof':>4} {'p':>7} {'tau':>5}")
+    for r in rows:
+        print(f"{r.index:>3} {r.samples:>7} {r.chi2:>8.2f} {r.dof:>4} {r.p_value:>7.4f} {r.tau:>5.2f}")
+    # Bonferroni over prompts: a correct sampler fails this with probability < 0.1 %.
+    bad = [r for r in rows if r.p_value < 1e-3 / len(rows)]
+    print(f"{len(rows) - len(bad)}/{len(rows)} prompts consistent with the target distribution")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "check": cmd_check}[args.command](args)
+    except ModelError as e:
+        print(f"eaglex: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Prompt files and tokenizers: `{"prompt": "..."}` lines need the target folder's tokenizer, `{"input_ids": [...]}`
+lines need none."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eaglex.models.errors import ModelError
+
+
+def load_tokenizer(folder: str | Path | None):
+    """The folder's Hugging Face tokenizer, or None when it has none."""
+    if folder is None:
+        return None
+    folder = Path(folder)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ModelError(f"{where}: input_ids must be a list of integers")
+        return ids
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise ModelError(f"{where}: prompt must be a string")
+        if tokenizer is None:
+            raise ModelError(f"{where}: a text prompt needs a tokenizer in the target folder; "
+                             "give input_ids instead")
+        if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ModelError(f"{where}: --chat needs a tokenizer with a chat template")
+            out = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
+                                                add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) else out)
+        return tokenizer(record["prompt"])["input_ids"]
+    raise ModelError(f"{where}: each line needs a \"prompt\" or an \"input_ids\" field")
+
+
+def read_prompts(path: str | Path, tokenizer, chat: bool = False) -> list[list[int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"prompt file {path} does not exist")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ModelError(f"{path}:{n}: each line must be a JSON object")
+        prompts.append(encode(record, tokenizer, chat, f"{path}:{n}"))
+    if not prompts:
+        raise ModelError(f"prompt file {path} holds no prompts")
+    return prompts

@@ -1,0 +1,5 @@
+"""The one exception type for bad user input (paths, formats, mismatched models); the CLI prints it as one line."""
+
+
+class ModelError(ValueError):
+    pass

@@ -1,0 +1,191 @@
+"""The target: a Hugging Face Llama-family causal LM, run by one functional forward over its own weights.
+
+Transformers loads the folder (every file format, sharding, tied embeddings, dtypes, RoPE variants); this module
+only re-wires the forward so that it takes an explicit tree mask and a caller-owned KV cache, and returns the
+features an EAGLE head reads. The same forward is what `export/` traces to ONNX.
+
+It owns no cache and knows nothing about trees beyond the mask.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ModelError
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_ids: tuple[int, ...]
+
+
+class LayerCache(Protocol):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values [B, Hkv, N, D] of `layer`; return all keys/values to attend over."""
+
+
+class ConcatCache:
+    """Functional cache: past tensors in, past+new out. Used by the ONNX export (present_* outputs)."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.past, self.present = past, [None] * len(past)
+
+    def update(self, layer, k, v):
+        pk, pv = self.past[layer]
+        self.present[layer] = (torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+        return self.present[layer]
+
+
+def eagle3_taps(num_layers: int, aux_layer_ids: list[int] | None = None) -> tuple[int, ...]:
+    """Decoder layers whose *input* (HF hidden_states index) EAGLE-3 reads, low -> mid -> high.
+
+    Official: {2, L//2, L-3}. `eagle_config.eagle_aux_hidden_state_layer_ids` names layer *outputs*, hence +1.
+    """
+    taps = [i + 1 for i in aux_layer_ids] if aux_layer_ids else [2, num_layers // 2, num_layers - 3]
+    taps = sorted(taps)  # ModelOpt may store them as an unordered set; features are concatenated in layer order
+    if len(set(taps)) != len(taps) or taps[0] < 0 or taps[-1] >= num_layers:
+        raise ModelError(f"EAGLE-3 feature layers {taps} do not fit a target with {num_layers} layers "
+                         f"(they must be distinct and < {num_layers}); use a target with at least 7 layers")
+    return tuple(taps)
+
+
+class Target(nn.Module):
+    """features='eagle3': cat of the inputs of layers `taps` [B,N,3H]; 'eagle1': final-normed hidden [B,N,H]."""
+
+    def __init__(self, hf_model: nn.Module, spec: TargetSpec):
+        super().__init__()
+        self.hf, self.spec = hf_model, spec
+        self.inner = hf_model.model
+        self.features, self.taps = "none", ()
+
+    def set_features(self, kind: str, taps: tuple[int, ...] = ()) -> None:
+        assert kind in ("none", "eagle1", "eagle3")
+        self.features, self.taps = kind, taps
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.inner.embed_tokens.weight
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.hf.lm_head
+
+    @property
+    def feature_size(self) -> int:
+        return {"none": 0, "eagle1": 1, "eagle3": len(self.taps)}[self.features] * self.spec.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn_mask: torch.Tensor,
+                cache: LayerCache, logits_rows: str = "all"):
+        """input_ids, position_ids [B,N] int64; attn_mask [B,1,N,T] bool (True = attend), T = cached + N.
+
+        Returns logits [B,N,V] float32 (or [B,1,V] when logits_rows == "last") and features [B,N,F].
+        """
+        spec = self.spec
+        x = self.inner.embed_tokens(input_ids)                             # [B,N,H]
+        cos, sin = self.inner.rotary_emb(x, position_ids)                  # [B,N,D] each
+        taps = []
+        for i, layer in enumerate(self.inner.layers):
+            if i in self.taps:
+                taps.append(x)
+            x = x + self._attention(layer, i, layer.input_layernorm(x), cos, sin, attn_mask, cache)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.inner.norm(x)
+        if self.features == "eagle3":
+            feats = torch.cat(taps, -1)
+        elif self.features == "eagle1":
+            feats = x
+        else:
+            feats = x[..., :0]
+        if logits_rows == "last":
+            x = x[:, -1:]
+        return self.hf.lm_head(x).float(), feats
+
+    def _attention(self, layer, index, h, cos, sin, attn_mask, cache):
+        attn, spec = layer.self_attn, self.spec
+        B, N, _ = h.shape
+        q = attn.q_proj(h).view(B, N, spec.num_heads, spec.head_dim)
+        k = attn.k_proj(h).view(B, N, spec.num_kv_heads, spec.head_dim)
+        v = attn.v_proj(h).view(B, N, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):                                        # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                        # [B,heads,N,D]
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        k_all, v_all = cache.update(index, k, v)                           # [B,Hkv,T,D]
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=True)
+        return attn.o_proj(o.transpose(1, 2).reshape(B, N, spec.num_heads * spec.head_dim))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE as in HF Llama; x [B,heads,N,D], cos/sin [B,N,D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelError(f"target folder {path} does not exist")
+    if not cfg_file.is_file():
+        raise ModelError(f"{path} has no config.json: pass a Hugging Face model folder")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{cfg_file} is not valid JSON ({e})") from None
+
+
+def _has_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
+    """Load a local Hugging Face folder (no remote code) as a Target."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    raw = read_config(path)
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{path}: architecture {arch} is not supported; eaglex runs {', '.join(SUPPORTED_ARCHS)}")
+    if not _has_weights(path):
+        raise ModelError(f"{path} holds no weights (*.safetensors or pytorch_model*.bin)")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=False)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelError(f"cannot load the target from {path}: {str(e).splitlines()[0]}") from None
+    model.eval().requires_grad_(False)
+    eos = config.eos_token_id
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id if gen.eos_token_id is not None else eos
+    except OSError:
+        pass
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    max_ctx = config.max_position_embeddings
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        max_ctx = min(max_ctx, config.sliding_window)   # beyond the window Mistral attends differently
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    spec = TargetSpec(arch=arch, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                      num_heads=config.num_attention_heads,
+                      num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+                      head_dim=head_dim, vocab_size=config.vocab_size, max_context=max_ctx, eos_ids=eos_ids)
+    return Target(model, spec)

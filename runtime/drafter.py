@@ -1,0 +1,112 @@
+"""Drafting one cycle's tree with the EAGLE head: the only place that calls the draft between verifications.
+
+Each cycle first *extends* the draft's committed context with the target features of the tokens just accepted
+(pairs (feature at p, token at p+1), as the official code does: only this first step sees real target features),
+then grows a tree from the last row:
+- dynamic (EAGLE-2): expand the best top_k candidates of each level, keep the best total_tokens-1 overall;
+- chain: the dynamic tree with top_k = 1;
+- static (EAGLE-1): the fixed shape of a choices list, each node the rank-th draft candidate of its parent.
+Tree rows written to the draft cache are rolled back at the end; the pure tree algebra lives in tree.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from .backend import Backend
+from .tree import MC_SIM_7B_63, next_frontier, select_dynamic, static_plan, tree_from_parents
+from .types import DraftTree, TreeConfig
+
+
+class Drafter:
+    def __init__(self, backend: Backend, cfg: TreeConfig):
+        self.backend, self.cfg = backend, cfg
+        if cfg.kind == "chain":
+            self.top_k, self.depth, self.total = 1, cfg.depth, cfg.depth + 2
+        else:
+            self.top_k, self.depth, self.total = cfg.top_k, cfg.depth, cfg.total_tokens
+        self.plan = static_plan(cfg.choices or MC_SIM_7B_63) if cfg.kind == "static" else None
+        if self.plan is not None:   # ancestor-or-self mask of the fixed shape, computed once
+            self.static_anc = tree_from_parents(torch.zeros_like(self.plan.parents), self.plan.parents).mask
+
+    def extend(self, features: torch.Tensor, next_ids: torch.Tensor, start: int):
+        """Commit context pairs: features [N,F] of target positions start.., next_ids [N] the tokens after them.
+
+        Returns (hidden of the last row [1,H], its top log-probs [k], top ids [k]) to grow the tree from.
+        """
+        n = next_ids.shape[0]
+        pos = torch.arange(start, start + n).unsqueeze(0)
+        k = self.plan.top_k if self.plan is not None else self.top_k
+        h, logp, ids = self.backend.draft_forward(features.unsqueeze(0), next_ids.unsqueeze(0), pos, None,
+                                                  project=True, top_k=k, last_only=True)
+        self.backend.draft_commit(torch.arange(n))
+        return h[0, -1:], logp[0, 0], ids[0, 0]
+
+    def tree(self, root: int, seed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], position: int) -> DraftTree:
+        """Grow the tree under `root` from the extend step's output; `position` is the draft position of depth-1
+        nodes (= the target position of the root; all nodes of one level share a position)."""
+        try:
+            if self.plan is not None:
+                return self._static(root, seed, position)
+            return self._dynamic(root, seed, position)
+        finally:
+            self.backend.draft_rollback()
+
+    def _dynamic(self, root, seed, position):
+        hidden, logp, ids = seed                               # [1,H], [K], [K]
+        K = self.top_k
+        scores, tokens, parents = [logp], [ids], [torch.full_like(ids, -1)]
+        offset = 0                                             # candidate index of the current level's first node
+        front = next_frontier(logp, K)                         # [F] candidate indices to expand
+        front_h = hidden.expand(front.shape[0], -1)            # [F,H] draft output each frontier node came from
+        mask = torch.eye(front.shape[0], dtype=torch.bool)     # [F, processed] ancestors among processed rows
+        for i in range(self.depth):
+            level_scores = torch.cat(scores)
+            fs = level_scores[front]                          # [F] cumulative log-prob of the frontier
+            h, lp, tk = self.backend.draft_forward(front_h.unsqueeze(0),
+                                                   torch.cat(tokens)[front].unsqueeze(0),
+                                                   torch.full((1, front.shape[0]), position + i), mask.unsqueeze(0),
+                                                   project=False, top_k=K)
+            h, lp, tk = h[0], lp[0], tk[0]                     # [F,H], [F,K], [F,K]
+            offset = level_scores.shape[0]
+            cu = (fs[:, None] + lp).flatten()                  # [F*K] cumulative scores of all children
+            scores.append(cu)
+            tokens.append(tk.flatten())
+            parents.append(front.repeat_interleave(K))
+            pick = next_frontier(cu, K)                        # best K children over the whole level
+            rows = pick // K
+            front, front_h = pick + offset, h[rows]
+            mask = torch.cat([mask[rows], torch.eye(pick.shape[0], dtype=torch.bool)], 1)
+        return select_dynamic(torch.cat(scores), torch.cat(tokens), torch.cat(parents), root, self.total)
+
+    def _static(self, root, seed, position):
+        plan = self.plan
+        hidden, logp, ids = seed
+        N = plan.parents.shape[0]
+        tokens = torch.zeros(N, dtype=torch.long)
+        tokens[0] = root
+        top_ids = {0: ids}                                     # node -> its draft top-k target ids [k]
+        out_h = {0: hidden[0]}                                 # node -> draft output row its children read
+        processed: list[int] = []                              # draft rows written this cycle, by node
+        for d, expand in enumerate(plan.expand):
+            level = (plan.depths == d + 1).nonzero().flatten()
+            par = plan.parents[level]
+            tokens[level] = torch.stack([top_ids[int(p)][int(r)] for p, r in zip(par, plan.ranks[level])])
+            if d + 1 >= len(plan.expand):
+                break
+            nxt = plan.expand[d + 1]                           # nodes at depth d+1 that have children
+            if nxt.numel() == 0:
+                break
+            hid = torch.stack([out_h[int(plan.parents[n])] for n in nxt])
+            anc = self._ancestor_rows(nxt, processed)
+            h, lp, tk = self.backend.draft_forward(hid.unsqueeze(0), tokens[nxt].unsqueeze(0),
+                                                   torch.full((1, nxt.shape[0]), position + d),
+                                                   anc.unsqueeze(0), project=False, top_k=plan.top_k)
+            for j, n in enumerate(nxt.tolist()):
+                top_ids[n], out_h[n] = tk[0, j], h[0, j]
+            processed += nxt.tolist()
+        return tree_from_parents(tokens, plan.parents)
+
+    def _ancestor_rows(self, nodes: torch.Tensor, processed: list[int]) -> torch.Tensor:
+        """[len(nodes), len(processed) + len(nodes)] mask: each node sees its processed ancestors and itself."""
+        cols = torch.tensor(processed + nodes.tolist(), dtype=torch.long)
+        return self.static_anc[nodes][:, cols]

@@ -1,0 +1,199 @@
+"""The decode loops: VanillaGenerator (one token per target forward) and SpeculativeGenerator (draft a tree,
+verify it in one target forward, keep the accepted path). Both run on any Backend, emit through the same stop
+rules (any EOS id, max_new_tokens, the context limit) and report the same statistics, so their outputs can be
+compared token for token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .backend import Backend
+from .drafter import Drafter
+from .sampling import logits_to_probs, sample
+from .types import SamplingConfig, TreeConfig
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class GenerationResult:
+    input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)   # new tokens only
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verification cycle (>= 1)
+    cycles: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0                           # time inside target and draft forwards
+    stop_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target verification (the prefill's first token excluded)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.seconds - self.forward_seconds
+
+    def to_json(self) -> dict:
+        return {"input_ids": self.input_ids, "output_ids": self.output_ids, "accept_lengths": self.accept_lengths,
+                "cycles": self.cycles, "seconds": round(self.seconds, 6), "tau": round(self.tau, 4),
+                "overhead_seconds": round(self.overhead_seconds, 6), "stop_reason": self.stop_reason}
+
+
+class _Timed:
+    """Wraps a backend so that the loop can report the time spent outside model forwards."""
+
+    def __init__(self, backend: Backend):
+        self.backend, self.seconds = backend, 0.0
+
+    def __getattr__(self, name):
+        fn = getattr(self.backend, name)
+        if name not in ("target_forward", "draft_forward"):
+            return fn
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds += time.perf_counter() - t
+            return out
+        return timed
+
+
+class _Emitter:
+    """Applies the stop rules to every emitted token; vanilla and speculative share it, so they stop alike."""
+
+    def __init__(self, result: GenerationResult, max_new_tokens: int, eos_ids, room: int,
+                 on_tokens: Callable[[list[int]], None] | None):
+        self.result, self.eos = result, set(eos_ids)
+        self.limit = min(max_new_tokens, room)              # room: tokens that fit in the context after the prompt
+        self.on_tokens = on_tokens
+        self.done = self.limit <= 0
+        if self.done:
+            result.stop_reason = "length" if max_new_tokens <= room else "context"
+        self.reason_at_limit = "length" if max_new_tokens <= room else "context"
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens until a stop rule fires; returns how many were taken."""
+        out, taken = self.result.output_ids, []
+        for t in tokens:
+            taken.append(t)
+            if t in self.eos:
+                self.done, self.result.stop_reason = True, "eos"
+                break
+            if len(out) + len(taken) >= self.limit:
+                self.done, self.result.stop_reason = True, self.reason_at_limit
+                break
+        out.extend(taken)
+        if taken and self.on_tokens:
+            self.on_tokens(taken)
+        return len(taken)
+
+
+class _Base:
+    def __init__(self, backend: Backend, sampling: SamplingConfig = SamplingConfig()):
+        self.backend, self.sampling = backend, sampling
+        self.spec = backend.spec
+
+    def _pick(self, logits: torch.Tensor, gen: torch.Generator) -> int:
+        """logits [V] -> the next token, greedy or sampled."""
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return int(sample(logits_to_probs(logits, self.sampling), gen))
+
+    def _start(self, input_ids, max_new_tokens, extra_rows, on_tokens):
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        n = len(input_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.spec.max_context:
+            raise ValueError(f"the prompt has {n} tokens; the target's context holds {self.spec.max_context}")
+        if min(input_ids) < 0 or max(input_ids) >= self.spec.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
+        result = GenerationResult(input_ids=list(input_ids))
+        emitter = _Emitter(result, max_new_tokens, self.spec.eos_ids, self.spec.max_context - n, on_tokens)
+        self.backend.reset(self.spec.max_context + extra_rows)
+        gen = torch.Generator().manual_seed(self.sampling.seed)
+        return result, emitter, gen
+
+
+class VanillaGenerator(_Base):
+    def generate(self, input_ids: list[int], max_new_tokens: int = 128,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        t0 = time.perf_counter()
+        backend = _Timed(self.backend)
+        result, emitter, gen = self._start(input_ids, max_new_tokens, 0, on_tokens)
+        ids = torch.tensor([input_ids])
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        prefill = True
+        while not emitter.done:
+            logits, _ = backend.target_forward(ids, pos, None, last_only=True)
+            backend.target_commit(torch.arange(ids.shape[1]))
+            token = self._pick(logits[0, -1], gen)
+            emitter.emit([token])
+            result.cycles += not prefill  # the prefill is not a decode cycle
+            prefill = False
+            pos = pos[:, -1:] + 1
+            ids = torch.tensor([[token]])
+        result.accept_lengths = [1] * result.cycles
+        result.seconds, result.forward_seconds = time.perf_counter() - t0, backend.seconds
+        return result
+
+
+class SpeculativeGenerator(_Base):
+    def __init__(self, backend: Backend, tree: TreeConfig, sampling: SamplingConfig = SamplingConfig()):
+        super().__init__(backend, sampling)
+        if backend.draft_kind is None:
+            raise ValueError("speculative decoding needs a draft head")
+        self.tree_cfg = tree
+
+    def generate(self, input_ids: list[int], max_new_tokens: int = 128,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        t0 = time.perf_counter()
+        backend = _Timed(self.backend)
+        drafter = Drafter(backend, self.tree_cfg)
+        max_nodes = self.tree_cfg.max_nodes
+        result, emitter, gen = self._start(input_ids, max_new_tokens, max_nodes, on_tokens)
+
+        # Prefill: the whole prompt through the target, the first token, then the draft's context.
+        ids = torch.tensor([input_ids])
+        n = ids.shape[1]
+        logits, feats = backend.target_forward(ids, torch.arange(n).unsqueeze(0), None, last_only=True)
+        backend.target_commit(torch.arange(n))
+        root = self._pick(logits[0, -1], gen)
+        emitter.emit([root])
+        seed = drafter.extend(feats[0], torch.tensor(input_ids[1:] + [root]), 0) if not emitter.done else None
+        length = n                                             # committed target rows; the root sits at `length`
+
+        while not emitter.done:
+            if length + max_nodes > self.spec.max_context:    # a tree would run past the context: finish plainly
+                logits, _ = backend.target_forward(torch.tensor([[root]]), torch.tensor([[length]]), None)
+                backend.target_commit(torch.arange(1))
+                length += 1
+                root = self._pick(logits[0, -1], gen)
+                result.cycles += 1
+                result.accept_lengths.append(emitter.emit([root]))
+                continue
+            tree = drafter.tree(root, seed, length)
+            logits, feats = backend.target_forward(tree.tokens.unsqueeze(0), (tree.depths + length).unsqueeze(0),
+                                                   tree.mask.unsqueeze(0))
+            if self.sampling.greedy:
+                verdict = verify_greedy(tree, logits[0])
+            else:
+                verdict = verify_sampling(tree, logits[0], self.sampling, gen)
+            backend.target_commit(verdict.nodes)
+            accepted = tree.tokens[verdict.nodes[1:]].tolist()
+            result.cycles += 1
+            result.accept_lengths.append(emitter.emit(accepted + [verdict.next_token]))
+            if emitter.done:
+                break
+            # The draft's context grows by the accepted path: (feature of node, token after it).
+            next_ids = torch.tensor(accepted + [verdict.next_token])
+            seed = drafter.extend(feats[0, verdict.nodes], next_ids, length)
+            length += verdict.nodes.shape[0]
+            root = verdict.next_token
+        result.seconds, result.forward_seconds = time.perf_counter() - t0, backend.seconds
+        return result

@@ -1,0 +1,61 @@
+"""PyTorch backend: the reference execution of target and draft, in float32, bfloat16 or float16."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eaglex.models.eagle import load_draft
+from eaglex.models.target import DTYPES, load_target
+
+from .backend import full_mask
+from .kv_cache import KVCache
+
+
+class TorchBackend:
+    def __init__(self, target_dir: str | Path, draft_dir: str | Path | None = None, dtype: str = "float32",
+                 draft_kind: str | None = None):
+        self.dtype = dtype
+        self.target = load_target(target_dir, DTYPES[dtype])
+        self.spec = self.target.spec
+        self.draft = load_draft(draft_dir, self.target, draft_kind) if draft_dir else None
+        self.draft_kind = self.draft.spec.kind if self.draft else None
+        if self.draft is not None:
+            self.target.set_features(self.draft.spec.kind, self.draft.spec.taps)
+        self.tcache = self.dcache = None
+
+    def reset(self, capacity: int) -> None:
+        s, torch_dtype = self.spec, DTYPES[self.dtype]
+        if self.tcache is None or self.tcache.capacity < capacity:
+            self.tcache = KVCache(s.num_layers, 1, s.num_kv_heads, s.head_dim, capacity, torch_dtype)
+            if self.draft is not None:
+                d = self.draft.spec
+                self.dcache = KVCache(1, 1, d.num_kv_heads, d.head_dim, capacity, torch_dtype)
+        self.tcache.reset()
+        if self.dcache is not None:
+            self.dcache.reset()
+
+    @torch.inference_mode()
+    def target_forward(self, input_ids, position_ids, mask, last_only=False):
+        c = self.tcache
+        B, N = input_ids.shape
+        attn = full_mask(mask, B, N, c.length, c.pending)
+        return self.target(input_ids, position_ids, attn, c, "last" if last_only else "all")
+
+    def target_commit(self, keep):
+        self.tcache.commit(keep)
+
+    @torch.inference_mode()
+    def draft_forward(self, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
+        c = self.dcache
+        B, N = input_ids.shape
+        attn = full_mask(mask, B, N, c.length, c.pending)
+        h = self.draft(hidden.to(self.draft.fc.weight.dtype), input_ids, position_ids, attn, c, project)
+        logp, ids = self.draft.log_probs(h[:, -1:] if last_only else h).topk(top_k, dim=-1)
+        return h, logp, self.draft.to_target_ids(ids)
+
+    def draft_commit(self, keep):
+        self.dcache.commit(keep)
+
+    def draft_rollback(self):
+        self.dcache.rollback()

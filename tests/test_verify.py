@@ -1,0 +1,224 @@
+"""Verification: greedy path selection, and the sampling verifier's exact preservation of the target distribution."""
+import math
+
+import pytest
+import torch
+
+from eaglex.runtime.sampling import logits_to_probs
+from eaglex.runtime.tree import MC_SIM_7B_63, static_plan, tree_from_parents
+from eaglex.runtime.types import SamplingConfig, Verdict
+from eaglex.runtime.verify import verify_greedy, verify_sampling
+
+V = 10
+CHAIN = ([9, 1, 2, 3], [-1, 0, 1, 2])
+# root 9; children 1 (node 1), 2 (node 2); node 1 -> 3 (node 3), 4 (node 4); node 2 -> 5 (node 5)
+BRANCHY = ([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2])
+_MC = static_plan(MC_SIM_7B_63)
+MC = ((torch.arange(26) % V).tolist(), _MC.parents.tolist())  # node i carries token i % 10
+
+# (name, (tokens, parents), target argmax per node, expected accepted nodes, expected next token)
+GREEDY = [
+    ("chain-all+bonus", CHAIN, [1, 2, 3, 7], [0, 1, 2, 3], 7),
+    ("chain-early-miss", CHAIN, [1, 2, 0, 3], [0, 1, 2], 0),
+    ("chain-none", CHAIN, [6, 2, 3, 4], [0], 6),
+    ("branchy-left-deep", BRANCHY, [1, 3, 0, 8, 0, 0], [0, 1, 3], 8),
+    ("branchy-left-second", BRANCHY, [1, 4, 0, 0, 6, 0], [0, 1, 4], 6),
+    ("branchy-right", BRANCHY, [2, 0, 5, 0, 0, 0], [0, 2, 5], 0),
+    ("branchy-miss-depth2", BRANCHY, [1, 8, 0, 0, 0, 0], [0, 1], 8),
+    ("branchy-miss-root-children", BRANCHY, [7, 3, 5, 0, 0, 0], [0], 7),
+    # mc_sim: path 0-1-5-13-21-25 carries tokens 1, 5, 3, 1, 5
+    ("mc-sim-deepest", MC, {0: 1, 1: 5, 5: 3, 13: 1, 21: 5, 25: 4}, [0, 1, 5, 13, 21, 25], 4),
+    ("mc-sim-branch", MC, {0: 3, 3: 0, 10: 2}, [0, 3, 10], 2),
+]
+
+
+def _logits_from_argmax(argmax, n):
+    if isinstance(argmax, dict):  # sparse table: unlisted nodes predict token 9 (absent from the tested paths)
+        argmax = [argmax.get(i, 9) for i in range(n)]
+    logits = torch.zeros(n, V)
+    logits[torch.arange(n), torch.tensor(argmax)] = 1.0
+    return logits
+
+
+@pytest.mark.parametrize("name,tree,argmax,nodes,next_token", GREEDY, ids=[g[0] for g in GREEDY])
+def test_verify_greedy(name, tree, argmax, nodes, next_token):
+    tree = tree_from_parents(torch.tensor(tree[0]), torch.tensor(tree[1]))
+    verdict = verify_greedy(tree, _logits_from_argmax(argmax, tree.size))
+    assert verdict.nodes.tolist() == nodes
+    assert verdict.nodes.dtype == torch.int64
+    assert verdict.num_accepted == len(nodes) - 1
+    assert verdict.next_token == next_token
+
+
+def test_verify_greedy_shape_check():
+    tree = tree_from_parents(torch.tensor(CHAIN[0]), torch.tensor(CHAIN[1]))
+    with pytest.raises(ValueError):
+        verify_greedy(tree, torch.zeros(3, V))
+
+
+# ---------------------------------------------------------------- sampling: exact distribution
+
+V5 = 5
+# root (token 4); depth 1: node 1 = token 0, node 2 = token 1; depth 2: under node 1 tokens 2, 3; under node 2 token 0
+DIST_TREE = tree_from_parents(torch.tensor([4, 0, 1, 2, 3, 0]), torch.tensor([-1, 0, 0, 1, 1, 2]))
+DIST_LOGITS = torch.tensor([
+    [0.35, 0.30, 0.15, 0.12, 0.08],   # root: the children 0 and 1 hold 65%
+    [0.05, 0.10, 0.50, 0.25, 0.10],   # after token 0: favours the drafted 2
+    [0.40, 0.30, 0.05, 0.05, 0.20],   # after token 1
+    [0.20, 0.20, 0.20, 0.20, 0.20],
+    [0.10, 0.20, 0.30, 0.20, 0.20],
+    [0.30, 0.10, 0.10, 0.10, 0.40],
+]).log()
+FIRST_NODE = {0: 1, 1: 2}  # first emitted token -> its tree node (where the target's next distribution is known)
+
+
+def exact_joint(cfg):
+    """Target's law of the first two emitted tokens; outcome (x1, x2), with x2 = V5 meaning 'only x1 emitted'
+    (x1 not drafted: the cycle ends with the recovered token)."""
+    p = logits_to_probs(DIST_LOGITS, cfg)
+    joint = torch.zeros(V5, V5 + 1, dtype=torch.float64)
+    for x1 in range(V5):
+        if x1 in FIRST_NODE:
+            joint[x1, :V5] = p[0, x1].double() * p[FIRST_NODE[x1]].double()
+        else:
+            joint[x1, V5] = p[0, x1]
+    return joint.flatten()
+
+
+def empirical_joint(verifier, cfg, draws, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V5 * (V5 + 1), dtype=torch.float64)
+    for _ in range(draws):
+        verdict = verifier(DIST_TREE, DIST_LOGITS, cfg, g)
+        seq = DIST_TREE.tokens[verdict.nodes[1:]].tolist() + [verdict.next_token]
+        counts[seq[0] * (V5 + 1) + (seq[1] if len(seq) > 1 else V5)] += 1
+    return counts
+
+
+def chi2_critical(df, z=3.719):
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 3.719 is the 1e-4 tail of N(0, 1)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def distribution_check(counts, exact):
+    """(passes, chi2, critical, tv): chi-square goodness of fit plus a total-variation bound, and nothing observed
+    where the target puts zero mass."""
+    n = counts.sum()
+    support = exact > 0
+    expected = n * exact[support]
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    crit = chi2_critical(int(support.sum()) - 1)
+    tv = 0.5 * float((counts / n - exact).abs().sum())
+    ok = chi2 < crit and tv < 0.03 and float(counts[~support].sum()) == 0
+    return ok, chi2, crit, tv
+
+
+DIST_CONFIGS = [
+    (SamplingConfig(temperature=1.0), 20000),
+    (SamplingConfig(temperature=0.8, top_k=3), 8000),    # tokens filtered to p = 0, one of them drafted
+    (SamplingConfig(temperature=1.3, top_p=0.7), 8000),  # top-p head of 2 at the root: all of it drafted
+]
+
+
+@pytest.mark.parametrize("cfg,draws", DIST_CONFIGS, ids=str)
+def test_verify_sampling_preserves_target_distribution(cfg, draws):
+    ok, chi2, crit, tv = distribution_check(empirical_joint(verify_sampling, cfg, draws, seed=0), exact_joint(cfg))
+    assert ok, f"chi2={chi2:.1f} (critical {crit:.1f}), tv={tv:.4f}"
+
+
+def wrong_verifier(renormalise, residual):
+    """Straight sequential EAGLE-2 verifier with one of its two corrections switched off: without `renormalise` a
+    later child is accepted with its raw p instead of p / (mass left); without `residual` the recovered token is
+    drawn from the full p instead of p with the rejected children removed."""
+    def verify(tree, logits, cfg, g):
+        node, nodes = 0, [0]
+        while True:
+            p = logits_to_probs(logits[node], cfg).double()
+            p0 = p.clone()
+            for kid in (tree.parents == node).nonzero().squeeze(-1).tolist():
+                x = int(tree.tokens[kid])
+                if float(torch.rand(1, generator=g)) < float(p[x]):
+                    node = kid
+                    nodes.append(kid)
+                    break
+                p[x] = 0
+                if renormalise:
+                    p = p / p.sum()
+            else:
+                nxt = int(torch.multinomial(p if residual else p0, 1, generator=g))
+                return Verdict(nodes=torch.tensor(nodes), next_token=nxt)
+    return verify
+
+
+@pytest.mark.parametrize("renormalise,residual", [(False, True), (True, False)])
+def test_distribution_check_catches_wrong_verifier(renormalise, residual):
+    cfg, draws = DIST_CONFIGS[0]
+    counts = empirical_joint(wrong_verifier(renormalise, residual), cfg, draws, seed=0)
+    ok, chi2, crit, tv = distribution_check(counts, exact_joint(cfg))
+    assert not ok and chi2 > 10 * crit and tv > 0.05, f"chi2={chi2:.1f}, tv={tv:.4f}"
+
+
+# ---------------------------------------------------------------- sampling: edge cases
+
+def _tree(tokens, parents):
+    return tree_from_parents(torch.tensor(tokens), torch.tensor(parents))
+
+
+def test_certain_child_always_accepted():
+    # top_k = 1 leaves p = 1 on the drafted tokens: the whole chain is accepted and the bonus is the target's top
+    tree = _tree([9, 1, 2], [-1, 0, 1])
+    logits = _logits_from_argmax([1, 2, 5], 3)
+    cfg = SamplingConfig(temperature=1.0, top_k=1)
+    for seed in range(200):
+        v = verify_sampling(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        assert v.nodes.tolist() == [0, 1, 2] and v.next_token == 5
+
+
+def test_zero_probability_child_never_accepted():
+    tree = _tree([9, 1, 2], [-1, 0, 0])
+    logits = _logits_from_argmax([3, 0, 0], 3)  # top_k = 1 -> only token 3 has mass after the root
+    cfg = SamplingConfig(temperature=1.0, top_k=1)
+    for seed in range(200):
+        v = verify_sampling(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        assert v.nodes.tolist() == [0] and v.next_token == 3
+
+
+def test_children_holding_all_mass_never_leave_empty_residual():
+    # top_k = 2 puts all mass on tokens 1 and 2, both drafted: one of them is always accepted, no NaN residual
+    tree = _tree([9, 1, 2], [-1, 0, 0])
+    logits = torch.tensor([[0.0, 2.0, 1.9, -1.0, -1.0]] * 3)
+    cfg = SamplingConfig(temperature=1.0, top_k=2)
+    seen = set()
+    for seed in range(500):
+        v = verify_sampling(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        assert v.num_accepted == 1
+        seen.add(int(v.nodes[1]))
+    assert seen == {1, 2}
+
+
+def test_duplicate_child_token_tried_once():
+    # nodes 1 and 2 both carry token 1; only the first can be accepted (the second has zero residual mass)
+    tree = _tree([9, 1, 1, 3], [-1, 0, 0, 2])
+    logits = torch.zeros(4, 5)
+    for seed in range(300):
+        v = verify_sampling(tree, logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(seed))
+        assert 2 not in v.nodes.tolist()
+        if v.num_accepted == 0:
+            assert v.next_token != 1
+
+
+def test_sampling_is_seeded():
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95)
+    logits = torch.randn(DIST_TREE.size, V5, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for seed in range(30):
+        a = verify_sampling(DIST_TREE, logits, cfg, torch.Generator().manual_seed(seed))
+        b = verify_sampling(DIST_TREE, logits, cfg, torch.Generator().manual_seed(seed))
+        assert torch.equal(a.nodes, b.nodes) and a.next_token == b.next_token
+        runs.append((tuple(a.nodes.tolist()), a.next_token))
+    assert len(set(runs)) > 1  # the seed matters
+
+
+def test_sampling_rejects_greedy_config():
+    with pytest.raises(ValueError):
+        verify_sampling(DIST_TREE, DIST_LOGITS, SamplingConfig(temperature=0.0), torch.Generator())
