@@ -181,10 +181,9 @@ def load_draft(path: str | Path, target: Target, kind: str | None = None) -> Dra
     except json.JSONDecodeError as e:
         raise ModelError(f"{cfg_file} is not valid JSON ({e})") from None
     state = _read_state(path)
-    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
     kind = kind or detect_kind(cfg, state)
-    if kind == "eagle1":   # EAGLE-1 names its layer layers.0.*: undo the ModelOpt rename above
-        state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+    if kind == "eagle3":   # ModelOpt/SpecForge name the EAGLE-3 layer layers.0.*, the official code midlayer.*
+        state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
                  for k, v in state.items()}
     t = target.spec
     H = cfg.get("hidden_size")

@@ -158,7 +158,9 @@ def _has_weights(path: Path) -> bool:
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
     """Load a local Hugging Face folder (no remote code) as a Target."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()   # our own commands show progress where it matters
     path = Path(path)
     raw = read_config(path)
     arch = (raw.get("architectures") or ["?"])[0]
@@ -170,8 +172,9 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=False)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelError(f"cannot load the target from {path}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - any failure to decode the user's files is bad input, said in one line
+        raise ModelError(f"cannot load the target from {path}: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
     model.eval().requires_grad_(False)
     eos = config.eos_token_id
     try:

@@ -158,6 +158,8 @@ class SpeculativeGenerator(_Base):
         max_nodes = self.tree_cfg.max_nodes
         result, emitter, gen = self._start(input_ids, max_new_tokens, max_nodes, on_tokens)
 
+        if emitter.done:
+            return result
         # Prefill: the whole prompt through the target, the first token, then the draft's context.
         ids = torch.tensor([input_ids])
         n = ids.shape[1]

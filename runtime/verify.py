@@ -61,7 +61,8 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig,
 
         # Distinct child tokens, first occurrence wins: once x is rejected p[x] = 0, so a duplicate is never taken
         toks = tokens[kids]                                      # [m]
-        dup = (toks[:, None] == toks[None, :]).tril(-1).any(dim=1)
+        order = torch.arange(toks.shape[0])
+        dup = ((toks[:, None] == toks[None, :]) & (order[None, :] < order[:, None])).any(dim=1)  # (tril is slow)
         kids, toks = kids[~dup], toks[~dup]
 
         # Trying children in order with "accept x w.p. p[x], else zero it and renormalise" means child j is accepted
