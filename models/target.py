@@ -92,10 +92,11 @@ class Target(nn.Module):
         return {"none": 0, "eagle1": 1, "eagle3": len(self.taps)}[self.features] * self.spec.hidden_size
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn_mask: torch.Tensor,
-                cache: LayerCache, logits_rows: str = "all"):
+                cache: LayerCache, logits_rows: str | torch.Tensor = "all"):
         """input_ids, position_ids [B,N] int64; attn_mask [B,1,N,T] bool (True = attend), T = cached + N.
 
-        Returns logits [B,N,V] float32 (or [B,1,V] when logits_rows == "last") and features [B,N,F].
+        Returns logits [B,N,V] float32 (or [B,1,V] when logits_rows == "last", [B,R,V] for a tensor of R row
+        indices) and features [B,N,F].
         """
         spec = self.spec
         x = self.inner.embed_tokens(input_ids)                             # [B,N,H]
@@ -113,7 +114,9 @@ class Target(nn.Module):
             feats = x
         else:
             feats = x[..., :0]
-        if logits_rows == "last":
+        if isinstance(logits_rows, torch.Tensor):   # the ONNX graphs take the rows as an input
+            x = x.index_select(1, logits_rows)
+        elif logits_rows == "last":
             x = x[:, -1:]
         return self.hf.lm_head(x).float(), feats
 

@@ -49,21 +49,22 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig,
     _check(tree, logits)
     if cfg.greedy:
         raise ValueError("verify_sampling needs temperature > 0; use verify_greedy")
-    # The tree structure is tiny and the walk is sequential: keep it on the host, touch the device once per level
+    # The tree structure is tiny and the walk is sequential: keep it on the host, touch the device once per level.
     parents, tokens = tree.parents.cpu(), tree.tokens.cpu()
+    # A sibling repeating an earlier sibling's token is never accepted (that token's p is already 0 by then), and
+    # trying it again would count its mass twice: detach it from the walk once, up front (first occurrence wins).
+    idx = torch.arange(parents.shape[0])
+    dup = ((parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :])
+           & (idx[None, :] < idx[:, None])).any(dim=1)           # [N]; (bool .tril() is very slow on CPU)
+    walk_parents = parents.masked_fill(dup, -2)
     node, accepted = 0, [0]
     while True:
         p = logits_to_probs(logits[node], cfg)                   # [V] target distribution after `node`
-        kids = (parents == node).nonzero().squeeze(-1)           # [m] children in node order
+        kids = (walk_parents == node).nonzero().squeeze(-1)      # [m] distinct children in node order
         if kids.numel() == 0:
             # Leaf (or whole path accepted): the bonus token straight from the target
             return Verdict(nodes=torch.tensor(accepted, device=tree.tokens.device), next_token=sample(p, generator))
-
-        # Distinct child tokens, first occurrence wins: once x is rejected p[x] = 0, so a duplicate is never taken
         toks = tokens[kids]                                      # [m]
-        order = torch.arange(toks.shape[0])
-        dup = ((toks[:, None] == toks[None, :]) & (order[None, :] < order[:, None])).any(dim=1)  # (tril is slow)
-        kids, toks = kids[~dup], toks[~dup]
 
         # Trying children in order with "accept x w.p. p[x], else zero it and renormalise" means child j is accepted
         # with p[x_j] / (mass not yet rejected). That mass is computed as (mass off the children) + (suffix sum over

@@ -36,6 +36,7 @@ target often but not always:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -99,6 +100,22 @@ def _orthogonal(g: torch.Generator, n: int) -> torch.Tensor:
 
 def _norm_weight(g: torch.Generator, n: int, jitter: float) -> torch.Tensor:
     return 1.0 + _randn(g, n, std=jitter)
+
+
+class _one_thread:
+    """Run a builder on one intra-op thread (restored afterwards): tiny matmuls get far slower, not faster, with
+    several threads on a shared CPU, and one thread keeps reductions in a fixed order."""
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            n = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.set_num_threads(n)
+        return wrapper
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -188,6 +205,7 @@ def _attn_mlp_weights(g, spec, H, nh, nkv, hd, I, eps):
 # ---------------------------------------------------------------------------------------------------------------
 # targets
 # ---------------------------------------------------------------------------------------------------------------
+@_one_thread()
 def make_llama_target(path, seed: int = 0, legacy_rope: bool = False, **overrides) -> Path:
     """LlamaForCausalLM with GQA, head_dim ≠ H/heads, llama3 RoPE scaling and an untied lm_head = E[perm].
 
@@ -224,6 +242,7 @@ def make_llama_target(path, seed: int = 0, legacy_rope: bool = False, **override
     return _finish_target(model, Path(path), seed, V, legacy_rope=legacy_rope)
 
 
+@_one_thread()
 def make_qwen2_target(path, seed: int = 0, **overrides) -> Path:
     """Qwen2ForCausalLM with q/k/v biases and tied embeddings; layer 0's MLP implements a random permutation map."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -327,6 +346,7 @@ def _save_state_dict(sd: dict, out: Path, fmt: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # heads
 # ---------------------------------------------------------------------------------------------------------------
+@_one_thread()
 @torch.no_grad()
 def make_eagle3_head(target_dir, out_dir, fmt: str = "bin", draft_vocab_size: int | None = None,
                      layout: str = "official", seed: int = 0) -> Path:
@@ -446,6 +466,7 @@ def make_eagle3_head(target_dir, out_dir, fmt: str = "bin", draft_vocab_size: in
     return out
 
 
+@_one_thread()
 @torch.no_grad()
 def make_eagle1_head(target_dir, out_dir, fmt: str = "bin", seed: int = 0, qkv_bias: bool | None = None) -> Path:
     """EAGLE-1/2 head (eagle.md §2): fc [H,2H] + bias, one decoder layer without input_layernorm, embed_tokens copy.

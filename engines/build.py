@@ -1,0 +1,224 @@
+"""`eaglex build`: a target (+ EAGLE head) folder -> an ONNX Runtime engine folder.
+
+The folder holds target.onnx, draft.onnx (+ draft_fc.onnx for EAGLE-3; external data files above ~2 GiB), the
+target's config, generation config and tokenizer files, and manifest.json (engines/manifest.py). It is written into
+a hidden sibling folder and renamed into place at the end, so a crash never leaves a folder that looks complete; an
+existing engine is only replaced with force=True.
+
+Order of work, chosen for memory: load torch weights once, transpose them in place for MatMul (export/layout.py),
+export every graph and record torch's outputs for the parity cases, *free the torch model*, then load each graph in
+ORT and compare. Torch's and ORT's copies of the weights are never alive together.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eaglex.models.errors import ModelError
+
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+
+BACKENDS = ("onnxruntime",)
+DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM (onnx.md §4)
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOOLS = ("eaglex", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy")
+
+
+def build_engine(target_dir, draft_dir, out_dir, backend: str = "onnxruntime", dtype: str = "float32",
+                 force: bool = False, progress: bool = True) -> dict:
+    """Build the engine folder `out_dir`; returns its manifest. Bad input raises a one-line ModelError."""
+    t0 = time.perf_counter()
+    if backend not in BACKENDS:
+        raise ModelError(f"backend {backend!r} cannot be built yet; choose {', '.join(BACKENDS)}")
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r} is not available for ONNX Runtime engines; choose {' or '.join(DTYPES)}")
+    target_dir, out = Path(target_dir), Path(out_dir)
+    draft_dir = Path(draft_dir) if draft_dir is not None else None
+    _check_out(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _build(target_dir, draft_dir, tmp, dtype, progress)
+        manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
+        write_manifest(tmp, manifest)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not force:
+        raise ModelError(f"{out} already exists: pass --force to replace it")
+    if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file()):
+        raise ModelError(f"{out} exists and is not an engine folder: refusing to replace it, even with --force")
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished folder into place; an old engine is moved aside first and deleted last."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, progress: bool) -> dict:
+    from eaglex.export.onnx_export import OPSET
+    from eaglex.runtime.types import TreeConfig
+
+    sources = {"target": _source_hashes(target_dir, progress)}
+    if draft_dir is not None:
+        sources["draft"] = _source_hashes(draft_dir, progress)
+    engine_id = hashlib.sha256(json.dumps([FORMAT_VERSION, dtype, sources], sort_keys=True).encode()).hexdigest()[:16]
+    meta = {"eaglex.engine_id": engine_id, "eaglex.format_version": str(FORMAT_VERSION)}
+
+    target_section, draft_section, graphs, references = _export(target_dir, draft_dir, tmp, dtype, meta, progress)
+    gc.collect()                               # torch's weights are gone before ORT loads its own copy
+    parity = _check(tmp, graphs, references, dtype, progress)
+
+    for src in (target_dir / f for f in CONFIG_FILES + TOKENIZER_FILES):
+        if src.is_file():
+            shutil.copy2(src, tmp / src.name)
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
+    kind = draft_section["kind"] if draft_section else None
+    paths = {"target": target_dir, "draft": draft_dir}
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "engine_id": engine_id, "backend": "onnxruntime",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtype": dtype, "opset": OPSET,
+        "dtypes": {"weights": dtype, "kv_cache": dtype, "features": dtype, "logits": "float32",
+                   "top_logp": "float32", "attn_mask": "bool", "ids": "int64"},
+        "target": target_section, "draft": draft_section,
+        "default_method": {"eagle3": "eagle3", "eagle1": "eagle2", None: "vanilla"}[kind],
+        "default_tree": dataclasses.asdict(TreeConfig()) if kind else None,
+        "graphs": graphs, "files": files, "parity": parity,
+        "sources": {k: {"path": str(paths[k]), "sha256": v} for k, v in sources.items()},
+        "tools": _tool_versions(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: bool):
+    """Load the torch models, export every graph, keep torch's parity outputs; the models die with this frame."""
+    from eaglex.export.graphs import draft_graphs, target_graph
+    from eaglex.export.layout import to_matmul_layout
+    from eaglex.export.onnx_export import export_graph
+    from eaglex.export.parity import reference_cases
+    from eaglex.models.eagle import load_draft
+    from eaglex.models.target import DTYPES as TORCH_DTYPES, load_target
+
+    target = load_target(target_dir, TORCH_DTYPES[dtype])
+    head = load_draft(draft_dir, target) if draft_dir is not None else None
+    if head is not None:
+        target.set_features(head.spec.kind, head.spec.taps)
+    target_section = {"spec": dataclasses.asdict(target.spec), "features": target.features,
+                      "feature_layers": list(target.taps), "feature_size": target.feature_size}
+    draft_section = None
+    to_matmul_layout(target)
+    if head is not None:
+        to_matmul_layout(head)
+        if head.spec.kind == "eagle1":        # the head reads the target's lm_head, which was just replaced
+            head.target_lm_head[0] = target.lm_head
+        d = head.spec
+        draft_section = {"kind": d.kind, "spec": dataclasses.asdict(d), "draft_vocab_size": d.draft_vocab_size,
+                         "has_d2t": bool(d.kind == "eagle3" and head.d2t.any())}
+
+    specs = [target_graph(target)] + (draft_graphs(head) if head is not None else [])
+    graphs, references = {}, {}
+    for spec in tqdm(specs, desc="export", unit="graph", disable=not progress, file=sys.stderr):
+        res = export_graph(spec, tmp, {**meta, "eaglex.graph": spec.name})
+        references[spec.name] = reference_cases(spec)
+        graphs[spec.name] = {"file": res.path.name, "files": [f.name for f in res.files],
+                             "inputs": spec.input_names, "outputs": spec.output_names,
+                             "nodes": sum(res.nodes.values()), "ops": dict(sorted(res.nodes.items())),
+                             "export_seconds": round(res.seconds, 2)}
+    return target_section, draft_section, graphs, references
+
+
+def _check(tmp: Path, graphs: dict, references: dict, dtype: str, progress: bool) -> dict:
+    """Each graph in ORT against the recorded torch outputs; ExportError above the dtype's tolerance."""
+    import onnxruntime as ort
+
+    from eaglex.export.parity import compare
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    parity = {}
+    total = sum(len(c) for c in references.values())
+    with tqdm(total=total, desc="check", unit="case", disable=not progress, file=sys.stderr) as bar:
+        for name, cases in references.items():
+            try:
+                sess = ort.InferenceSession(str(tmp / graphs[name]["file"]), so, providers=["CPUExecutionProvider"])
+            except Exception as e:  # noqa: BLE001 - e.g. an op without a CPU kernel for this dtype
+                raise ModelError(f"ONNX Runtime cannot load {name}.onnx ({dtype}): {str(e).splitlines()[0][:300]}"
+                                 ) from None
+            parity[name] = compare(name, sess, cases, dtype, bar).to_json()
+            del sess
+    return parity
+
+
+def _source_hashes(folder: Path, progress: bool) -> dict[str, str]:
+    """sha256 of the weight and config files of a model folder (what the engine was built from)."""
+    if not folder.is_dir():
+        raise ModelError(f"model folder {folder} does not exist")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (
+        p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name == "config.json"))
+    out = {}
+    for f in tqdm(files, desc=f"hash {folder.name}", unit="file", disable=not progress or len(files) < 4,
+                  file=sys.stderr):
+        out[f.name] = sha256_file(f)
+    return out
+
+
+def _tool_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in TOOLS:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "?"
+    return out
+
+
+def summary(manifest: dict, out_dir) -> str:
+    """The lines `eaglex build` prints at the end: files and sizes, graphs, parity errors, time."""
+    lines = [f"engine {out_dir} ({manifest['dtype']}, opset {manifest['opset']}, "
+             f"{manifest['draft']['kind'] if manifest['draft'] else 'no draft'}, "
+             f"method {manifest['default_method']})"]
+    for name, info in manifest["files"].items():
+        lines.append(f"  {name:<28} {_size(info['bytes']):>10}")
+    for name, g in manifest["graphs"].items():
+        p = manifest["parity"][name]
+        lines.append(f"  {name + '.onnx':<28} {g['nodes']:>5} nodes, {g['ops'].get('Attention', 0)} Attention, "
+                     f"worst rel. error {p['worst']:.1e} over {p['cases']} cases")
+    lines.append(f"  built in {manifest['build_seconds']:.1f} s, peak RSS {_size(manifest['peak_rss_bytes'])}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

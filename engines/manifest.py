@@ -1,0 +1,76 @@
+"""manifest.json of an engine folder: what was built from what, and the checks a loader runs before trusting it.
+
+The manifest is the engine's table of contents: format version, backend, dtype, opset, the target's TargetSpec,
+the draft head (kind, feature layers, draft vocabulary and whether a d2t map is applied), the default method and
+tree, every file with its size and sha256, the sha256 of the source weights, tool versions and the parity errors
+measured at build time. Every graph also carries the engine's id in its ONNX metadata, so a graph copied over from
+another engine is caught even when its file is too big to hash on every load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from eaglex.models.errors import ModelError
+from eaglex.models.target import TargetSpec
+
+FORMAT = "eaglex-engine"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+HASH_LIMIT = 2 * 1024 ** 3      # files up to this size are hashed on load; bigger ones are checked by size + id
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """The manifest of an engine folder, or a ModelError saying why the folder is not a usable engine."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelError(f"engine folder {folder} does not exist: build it with `eaglex build --out {folder}`")
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ModelError(f"{folder} is not an engine folder (no {MANIFEST}): build one with `eaglex build`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path} is corrupt ({e}): rebuild the engine with `eaglex build --force`") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ModelError(f"{path} is not an eaglex engine manifest: rebuild the engine with `eaglex build --force`")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ModelError(f"engine {folder} has format version {version}, this eaglex reads version "
+                         f"{FORMAT_VERSION}: rebuild it with `eaglex build --force`")
+    return manifest
+
+
+def verify_files(folder: str | Path, manifest: dict, hash_limit: int = HASH_LIMIT) -> None:
+    """Every listed file exists with its size; files up to `hash_limit` bytes also match their sha256."""
+    folder = Path(folder)
+    for name, info in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise ModelError(f"engine {folder} is missing {name}: rebuild it with `eaglex build --force`")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise ModelError(f"engine file {path} is corrupt ({size} bytes, the manifest says {info['bytes']}): "
+                             "rebuild the engine with `eaglex build --force`")
+        if size <= hash_limit and sha256_file(path) != info["sha256"]:
+            raise ModelError(f"engine file {path} is corrupt or comes from another engine (sha256 differs from "
+                             "the manifest): rebuild the engine with `eaglex build --force`")
+
+
+def target_spec(manifest: dict) -> TargetSpec:
+    s = dict(manifest["target"]["spec"])
+    s["eos_ids"] = tuple(s["eos_ids"])
+    return TargetSpec(**s)

@@ -1,0 +1,119 @@
+"""Export one graph (export/graphs.py) to ONNX with the dynamo exporter at opset 23, and check its structure.
+
+Why this path (../shared/reference/onnx.md §1, §3): at opset 23 the exporter lowers SDPA to the standard
+`Attention` op, which ORT's CPU EP runs 1.15-1.6x faster than the decomposed MatMul/Softmax graph; written with
+`enable_gqa=True` (models/target.py) it keeps native GQA, with no Expand-based repeat_kv in front of it. The
+exporter's default opset is 20, so it is set here. The structure check fails the export when a layer's attention
+did not become one `Attention` node or when repeat_kv crept back in.
+
+Memory. Linear weights are first transposed in place (export/layout.py) so that the optimizer finds no
+`Transpose(W)` to fold into a second copy; the ONNX program's initializers then wrap the torch parameters without
+copying, and saving streams them to disk. Measured peak RSS: see `measure_export_memory` and the engine tests.
+Graphs whose weights pass ~2 GiB (protobuf's limit) go to external data (`NAME.onnx.data` next to the graph).
+
+Design for a 70B target on a machine with a little more RAM than its weights (not implemented; the parts exist):
+1. Trace under `torch._subclasses.FakeTensorMode` with the model built on the meta device: torch.export only needs
+   shapes, so the trace holds no weights at all.
+2. The ONNX program's initializers then carry no data; replace each by an `onnx_ir.ExternalTensor` that points at
+   its offset in `target.onnx.data`, and fill that file by streaming the safetensors shards one tensor at a time
+   (mmap read, transpose [out,in] -> [in,out] for the MatMul layout, write, drop): peak ~ one shard's page cache.
+3. Save the graph proto alone (a few MB) and run the parity check on a small random-weight twin of the same
+   architecture (the graph is weight-independent) plus a few real-weight rows through ORT, whose external-data
+   loader maps the file instead of copying it.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+
+from eaglex.models.errors import ModelError
+
+from .graphs import GraphSpec
+
+OPSET = 23
+EXTERNAL_DATA_ABOVE = 2 * 1024 ** 3 - 256 * 1024 ** 2   # bytes of weights; leaves room for the graph itself
+_SHAPE_OPS = {"Reshape", "Unsqueeze", "Expand", "Transpose", "Squeeze", "Identity"}
+
+
+class ExportError(ModelError):
+    """The exporter produced a graph eaglex cannot use (wrong attention lowering, failed parity); a ModelError so
+    that `eaglex build` reports it as one line."""
+
+
+@dataclass
+class ExportResult:
+    name: str
+    path: Path
+    files: list[Path]                 # the graph and its external data file, if any
+    seconds: float
+    nodes: Counter = field(default_factory=Counter)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None = None) -> ExportResult:
+    """Trace `spec` to `out_dir/<name>.onnx` (+ `.onnx.data` above ~2 GiB) and check its structure."""
+    t0 = time.perf_counter()
+    path = Path(out_dir) / f"{spec.name}.onnx"
+    with _quiet(), torch.inference_mode(False), torch.no_grad():
+        prog = torch.onnx.export(spec.module, spec.args, input_names=spec.input_names,
+                                 output_names=spec.output_names, dynamic_shapes=spec.dynamic_shapes,
+                                 opset_version=OPSET, dynamo=True, optimize=True, verbose=False)
+    for k, v in (metadata or {}).items():
+        prog.model.metadata_props[k] = str(v)
+    weight_bytes = sum(v.const_value.nbytes for v in prog.model.graph.initializers.values()
+                       if v.const_value is not None)
+    external = weight_bytes > EXTERNAL_DATA_ABOVE
+    prog.save(path, external_data=external)
+    del prog
+    files = [path] + ([path.with_name(path.name + ".data")] if external else [])
+    nodes = check_structure(path, spec.attention_nodes)
+    return ExportResult(spec.name, path, files, time.perf_counter() - t0, nodes)
+
+
+def check_structure(path: Path, attention_nodes: int) -> Counter:
+    """Op counts of the graph; raises ExportError unless it has `attention_nodes` Attention ops fed without
+    repeat_kv (an Expand on the key/value path)."""
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = list(model.graph.node)
+    ops = Counter(n.op_type for n in nodes)
+    if ops["Attention"] != attention_nodes:
+        raise ExportError(f"{path.name}: expected {attention_nodes} Attention nodes (one per layer), found "
+                          f"{ops['Attention']}: SDPA was not lowered to the opset-23 Attention op")
+    producer = {o: n for n in nodes for o in n.output}
+    for n in nodes:
+        if n.op_type != "Attention":
+            continue
+        for name in n.input[1:3]:                    # key, value
+            node = producer.get(name)
+            while node is not None and node.op_type in _SHAPE_OPS:
+                if node.op_type == "Expand":
+                    raise ExportError(f"{path.name}: {n.name} reads its keys/values through Expand (repeat_kv); "
+                                      "the attention must use native GQA (enable_gqa=True)")
+                node = producer.get(node.input[0])
+    return ops
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporter prints progress lines and warns about unrelated optional packages (torchvision)."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)

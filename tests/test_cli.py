@@ -1,0 +1,123 @@
+"""The command-line contract: JSONL in and out, `check` exit codes (including a broken verifier that must make it
+fail, greedy and sampling), --help for every command, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import eaglex.runtime.generate as generate_mod
+from eaglex.cli import build_parser, main
+from eaglex.runtime.types import Verdict
+
+
+@pytest.fixture()
+def prompt_file(tmp_path, prompts):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:6]))
+    return f
+
+
+def test_help_lists_every_option(capsys):
+    for cmd in ("generate", "check"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([cmd, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        for flag in ("--target", "--draft", "--engine", "--method", "--tree", "--total-tokens", "--depth",
+                     "--tree-top-k", "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens", "--dtype"):
+            assert flag in out
+
+
+def test_generate_jsonl_contract(models, prompt_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
+               "--prompts", str(prompt_file), "--max-new-tokens", "12", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6
+    for r, p in zip(rows, prompt_file.read_text().splitlines()):
+        assert r["input_ids"] == json.loads(p)["input_ids"]
+        assert {"output_ids", "accept_lengths", "cycles", "seconds"} <= set(r)
+        assert 1 <= len(r["output_ids"]) <= 12 and len(r["accept_lengths"]) == r["cycles"]
+
+
+def test_generate_vanilla_prints_ids_and_summary(models, prompt_file, capsys):
+    assert main(["generate", "--target", str(models["qwen2"]), "--prompts", str(prompt_file),
+                 "--max-new-tokens", "5"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.splitlines()) == 6 and "[vanilla]" in cap.err and "tokens/s" in cap.err
+
+
+@pytest.mark.parametrize("method,head", [("eagle3", "eagle3"), ("eagle2", "eagle1"), ("eagle1", "eagle1")])
+def test_check_passes(method, head, models, prompt_file, capsys):
+    rc = main(["check", "--target", str(models["llama"]), "--draft", str(models[f"llama/{head}"]),
+               "--method", method, "--prompts", str(prompt_file), "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "6/6 identical" in out
+
+
+def _accept_first_child(tree, logits, *args):
+    """A wrong verifier: follows the first child at every level without looking at the target."""
+    nodes = [0]
+    while True:
+        children = (tree.parents == nodes[-1]).nonzero().flatten()
+        if children.numel() == 0:
+            break
+        nodes.append(int(children[0]))
+    return Verdict(torch.tensor(nodes), int(logits[nodes[-1]].argmax()))
+
+
+def test_check_fails_on_a_broken_verifier(models, prompt_file, capsys, monkeypatch):
+    monkeypatch.setattr(generate_mod, "verify_greedy", _accept_first_child)
+    rc = main(["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
+               "--prompts", str(prompt_file), "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "NO" in out and "margin" in out
+
+
+def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
+    """The fixtures are peaked (top-1 logit gaps ~35), so a high temperature makes the target distribution broad."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:2]))
+    args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
+            "--temperature", "20", "--samples", "400", "--total-tokens", "8", "--depth", "3", "--tree-top-k", "3"]
+    assert main(args) == 0, capsys.readouterr().out
+    monkeypatch.setattr(generate_mod, "verify_sampling", _accept_first_child)
+    assert main(args) == 1
+
+
+def _write(tmp_path, text):
+    f = tmp_path / "p.jsonl"
+    f.write_text(text)
+    return str(f)
+
+
+BAD = [
+    (lambda m, t: ["--target", str(t / "nope"), "--prompts", _write(t, '{"input_ids": [1]}\n')], "does not exist"),
+    (lambda m, t: ["--target", str(m["llama"]), "--prompts", str(t / "missing.jsonl")], "does not exist"),
+    (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, '{"prompt": "hi"}\n')], "needs a tokenizer"),
+    (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, "{oops\n")], "not valid JSON"),
+    (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, '{"input_ids": [1, 999]}\n')], r"\[0, 48\)"),
+    (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, '{"input_ids": []}\n')], "empty"),
+    (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--method", "eagle2",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "use --method eagle3"),
+    (lambda m, t: ["--target", str(m["llama"]), "--method", "eagle3",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "needs a draft head"),
+    (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--total-tokens", "1",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "bad tree"),
+    (lambda m, t: ["--target", str(m["llama"]), "--top-p", "0", "--prompts", _write(t, '{"input_ids": [1]}\n')],
+     "top_p"),
+    (lambda m, t: ["--target", str(m["llama"]), "--max-new-tokens", "-1",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "max-new-tokens"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_one_line_error(argv, message, models, tmp_path, capsys):
+    assert main(["generate", *argv(models, tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("eaglex: error:") and "\n" not in err
+    assert pytest.importorskip("re").search(message, err), err
