@@ -53,30 +53,29 @@ class Drafter:
 
     def _dynamic(self, root, seed, position):
         hidden, logp, ids = seed                               # [1,H], [K], [K]
-        K = self.top_k
-        scores, tokens, parents = [logp], [ids], [torch.full_like(ids, -1)]
-        offset = 0                                             # candidate index of the current level's first node
+        K, depth = self.top_k, self.depth
+        # Flat candidate pool, appended level by level: K children of the root, then K*K per expansion.
+        size = K + depth * K * K
+        scores, tokens = torch.empty(size), torch.empty(size, dtype=torch.long)
+        parents = torch.empty(size, dtype=torch.long)
+        scores[:K], tokens[:K], parents[:K] = logp, ids, -1
+        n = K
         front = next_frontier(logp, K)                         # [F] candidate indices to expand
         front_h = hidden.expand(front.shape[0], -1)            # [F,H] draft output each frontier node came from
         mask = torch.eye(front.shape[0], dtype=torch.bool)     # [F, processed] ancestors among processed rows
-        for i in range(self.depth):
-            level_scores = torch.cat(scores)
-            fs = level_scores[front]                          # [F] cumulative log-prob of the frontier
-            h, lp, tk = self.backend.draft_forward(front_h.unsqueeze(0),
-                                                   torch.cat(tokens)[front].unsqueeze(0),
-                                                   torch.full((1, front.shape[0]), position + i), mask.unsqueeze(0),
+        for i in range(depth):
+            F = front.shape[0]
+            h, lp, tk = self.backend.draft_forward(front_h.unsqueeze(0), tokens[front].unsqueeze(0),
+                                                   torch.full((1, F), position + i), mask.unsqueeze(0),
                                                    project=False, top_k=K)
-            h, lp, tk = h[0], lp[0], tk[0]                     # [F,H], [F,K], [F,K]
-            offset = level_scores.shape[0]
-            cu = (fs[:, None] + lp).flatten()                  # [F*K] cumulative scores of all children
-            scores.append(cu)
-            tokens.append(tk.flatten())
-            parents.append(front.repeat_interleave(K))
+            cu = (scores[front, None] + lp[0]).flatten()     # [F*K] cumulative log-probs of all children
+            scores[n:n + F * K], tokens[n:n + F * K] = cu, tk[0].flatten()
+            parents[n:n + F * K] = front.repeat_interleave(K)
             pick = next_frontier(cu, K)                        # best K children over the whole level
             rows = pick // K
-            front, front_h = pick + offset, h[rows]
+            front, front_h, n = pick + n, h[0, rows], n + F * K
             mask = torch.cat([mask[rows], torch.eye(pick.shape[0], dtype=torch.bool)], 1)
-        return select_dynamic(torch.cat(scores), torch.cat(tokens), torch.cat(parents), root, self.total)
+        return select_dynamic(scores[:n], tokens[:n], parents[:n], root, self.total)
 
     def _static(self, root, seed, position):
         plan = self.plan

@@ -13,7 +13,7 @@ import torch
 
 from .backend import Backend
 from .drafter import Drafter
-from .sampling import logits_to_probs, sample
+from .sampling import argmax, logits_to_probs, sample
 from .types import SamplingConfig, TreeConfig
 from .verify import verify_greedy, verify_sampling
 
@@ -100,7 +100,7 @@ class _Base:
     def _pick(self, logits: torch.Tensor, gen: torch.Generator) -> int:
         """logits [V] -> the next token, greedy or sampled."""
         if self.sampling.greedy:
-            return int(logits.argmax())
+            return int(argmax(logits))
         return int(sample(logits_to_probs(logits, self.sampling), gen))
 
     def _start(self, input_ids, max_new_tokens, extra_rows, on_tokens):

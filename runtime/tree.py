@@ -10,6 +10,8 @@ and ancestor indices increase along every root-to-leaf path.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +59,15 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
     width = int(depths.max()) + 1
     rows = torch.where(mask[leaves], idx, n).sort(dim=-1).values[:, :width]  # [num_leaves, max_depth + 1]
 
-    # Lexicographic row order, like the official retrieve_indices: stable sorts from the last column to the first.
-    order = torch.arange(rows.shape[0], device=rows.device)
-    for c in range(width - 1, -1, -1):
-        order = order[torch.sort(rows[order, c], stable=True).indices]
+    # Lexicographic row order, like the official retrieve_indices. Entries are < n + 1, so a row read as a number
+    # in base n + 1 is one int64 sort key while it fits (n=60: up to depth 9); otherwise stable sorts per column.
+    if width * math.log2(n + 1) < 62:
+        weights = (n + 1) ** torch.arange(width - 1, -1, -1, device=rows.device)
+        order = torch.argsort((rows * weights).sum(-1))
+    else:
+        order = torch.arange(rows.shape[0], device=rows.device)
+        for c in range(width - 1, -1, -1):
+            order = order[torch.sort(rows[order, c], stable=True).indices]
     paths = rows[order].masked_fill(rows[order] == n, PLACEHOLDER)
     return DraftTree(tokens=tokens.long(), parents=parents, depths=depths, mask=mask, paths=paths)
 

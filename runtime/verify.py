@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import logits_to_probs, sample
+from .sampling import argmax, logits_to_probs, sample
 from .types import DraftTree, SamplingConfig, Verdict
 
 
@@ -25,7 +25,7 @@ def _check(tree: DraftTree, logits: torch.Tensor) -> None:
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """tree with N nodes, logits [N, V] -> Verdict (longest argmax-consistent path + the argmax after it)."""
     _check(tree, logits)
-    top = logits.argmax(dim=-1)                                  # [N] target's choice after each node
+    top = argmax(logits)                                         # [N] target's choice after each node
     # A node is correct when its token is what the target would emit after its parent; the root is given.
     parent_top = top[tree.parents.clamp(min=0)]
     correct = (tree.tokens == parent_top) | (tree.parents < 0)   # [N]

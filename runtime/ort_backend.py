@@ -1,0 +1,170 @@
+"""ONNX Runtime backend: runs an engine folder written by `eaglex build` behind the Backend protocol.
+
+Same contract as TorchBackend (runtime/backend.py): forwards append pending rows, the loop commits or rolls back,
+masks cover the uncommitted rows. Inputs are wrapped as OrtValues without copies, outputs are ORT-allocated through
+IOBinding, and the KV cache never leaves ORT (runtime/ort_cache.py). EAGLE-3's first draft step runs draft_fc and
+binds its output straight into the draft graph.
+
+Loading validates the engine: manifest format version, every file's size (and sha256 up to 2 GiB), each graph's
+engine id, and that the graphs' shapes fit the manifest and each other. Any failure is one ModelError line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from eaglex.engines.manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
+from eaglex.models.errors import ModelError
+
+from .backend import full_mask
+from .ort_cache import NP_DTYPES, OrtKVCache
+from .ort_session import open_session, use_global_pool
+
+
+def _ov(a: np.ndarray) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
+
+
+def _torch(v: ort.OrtValue) -> torch.Tensor:
+    return torch.from_numpy(v.numpy())              # zero copy; the array keeps the OrtValue alive
+
+
+class OrtBackend:
+    def __init__(self, engine_dir: str | Path, draft_kind: str | None = None, threads: int | None = None,
+                 hash_limit: int = HASH_LIMIT):
+        """`draft_kind`, if given, must match the engine's head; `threads` defaults to the physical cores."""
+        self.engine_dir = self.tokenizer_dir = Path(engine_dir)
+        m = read_manifest(self.engine_dir)
+        if m.get("backend") != "onnxruntime":
+            raise ModelError(f"engine {engine_dir} was built for {m.get('backend')}, not onnxruntime")
+        verify_files(self.engine_dir, m, hash_limit)
+        self.manifest = m
+        self.spec = target_spec(m)
+        self.dtype = m["dtype"]
+        self.np_dtype = NP_DTYPES[self.dtype]
+        draft = m["draft"]
+        self.draft_kind = draft["kind"] if draft else None
+        if draft_kind is not None and draft_kind != self.draft_kind:
+            raise ModelError(f"engine {engine_dir} holds {'an ' + self.draft_kind if self.draft_kind else 'no'} "
+                             f"draft head, not {draft_kind}")
+        self.threads = use_global_pool(threads)
+        open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name)
+                 for name, g in m["graphs"].items()}
+        self.target_sess = open_["target"]
+        self.draft_sess = open_.get("draft")
+        self.fc_sess = open_.get("draft_fc")
+        self._check_graphs()
+        s = self.spec
+        self.features = m["target"]["features"] != "none"
+        self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        self.dcache = None
+        if draft:
+            d = draft["spec"]
+            self.dcache = OrtKVCache(2, d["num_kv_heads"], d["head_dim"], self.dtype)
+        self._target_out = [o.name for o in self.target_sess.get_outputs()]
+
+    def _check_graphs(self) -> None:
+        """The graphs' fixed dims against the manifest, so a mismatched draft fails here, not mid-generation."""
+        m, s = self.manifest, self.spec
+
+        def dims(sess, name, outputs=False):
+            vals = sess.get_outputs() if outputs else sess.get_inputs()
+            return next(v.shape for v in vals if v.name == name)
+
+        problems = []
+        if dims(self.target_sess, "logits", True)[-1] != s.vocab_size:
+            problems.append(f"target logits width {dims(self.target_sess, 'logits', True)[-1]} != vocab "
+                            f"{s.vocab_size}")
+        if dims(self.target_sess, "past_key_0")[1] != s.num_kv_heads:
+            problems.append("target KV heads differ from the manifest")
+        if self.draft_sess is not None:
+            d = m["draft"]["spec"]
+            F = m["target"]["feature_size"]
+            first = self.fc_sess if self.fc_sess is not None else self.draft_sess
+            first_in = "features" if self.fc_sess is not None else "hidden"
+            if dims(first, first_in)[-1] != F:
+                problems.append(f"the draft reads features of width {dims(first, first_in)[-1]} but the target "
+                                f"gives {F}")
+            if dims(self.draft_sess, "hidden")[-1] != d["hidden_size"]:
+                problems.append("draft hidden width differs from the manifest")
+            if d["vocab_size"] != s.vocab_size:
+                problems.append(f"the draft maps to a vocabulary of {d['vocab_size']}, the target has {s.vocab_size}")
+        if problems:
+            raise ModelError(f"engine {self.engine_dir}: the draft does not match the target ({'; '.join(problems)})"
+                             ": rebuild it with `eaglex build --force`")
+
+    # ------------------------------------------------------------------------------------------ Backend protocol
+
+    def reset(self, capacity: int) -> None:
+        self.tcache.reset(capacity)
+        if self.dcache is not None:
+            self.dcache.reset(capacity)
+
+    def _common(self, io, cache: OrtKVCache, input_ids, position_ids, mask, last_only, keep: list):
+        """Binds ids, positions, the full mask, logits rows and the past; `keep` holds the numpy buffers alive."""
+        B, N = input_ids.shape
+        cache.reserve(N)
+        attn = full_mask(mask, B, N, cache.length, cache.pending).numpy()          # [B,1,N,T] bool
+        rows = np.array([N - 1] if last_only else range(N), dtype=np.int64)
+        feeds = {"input_ids": input_ids.numpy().astype(np.int64, copy=False),
+                 "position_ids": position_ids.numpy().astype(np.int64, copy=False),
+                 "attn_mask": attn, "logits_rows": rows}
+        for name, a in feeds.items():
+            v = _ov(a)
+            keep.append(v)
+            io.bind_ortvalue_input(name, v)
+        for i, v in enumerate(cache.current):
+            io.bind_ortvalue_input(f"past_{'key' if i % 2 == 0 else 'value'}_{i // 2}", v)
+        return N
+
+    def target_forward(self, input_ids, position_ids, mask, last_only=False):
+        io, keep = self.target_sess.io_binding(), []
+        N = self._common(io, self.tcache, input_ids, position_ids, mask, last_only, keep)
+        for name in self._target_out:
+            io.bind_output(name)
+        self.target_sess.run_with_iobinding(io)
+        out = list(io.get_outputs())
+        logits = _torch(out[0])
+        if self.features:
+            feats, presents = _torch(out[1]), out[2:]
+        else:
+            feats, presents = torch.empty(input_ids.shape[0], N, 0), out[1:]
+        self.tcache.appended(presents, N)
+        return logits, feats
+
+    def target_commit(self, keep):
+        self.tcache.commit(keep)
+
+    def draft_forward(self, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
+        if self.draft_sess is None:
+            raise RuntimeError("this engine has no draft head")
+        if not 1 <= top_k <= self.manifest["draft"]["draft_vocab_size"]:
+            raise ValueError(f"top_k must be in [1, {self.manifest['draft']['draft_vocab_size']}], got {top_k}")
+        h_in = _ov(hidden.detach().numpy().astype(self.np_dtype, copy=False))
+        if project and self.fc_sess is not None:                   # EAGLE-3 first step: fc(3H features) -> H
+            fio = self.fc_sess.io_binding()
+            fio.bind_ortvalue_input("features", h_in)
+            fio.bind_output("hidden")
+            self.fc_sess.run_with_iobinding(fio)
+            h_in = fio.get_outputs()[0]
+        io, keep = self.draft_sess.io_binding(), [h_in]
+        N = self._common(io, self.dcache, input_ids, position_ids, mask, last_only, keep)
+        io.bind_ortvalue_input("hidden", h_in)
+        k = _ov(np.array(top_k, dtype=np.int64))
+        keep.append(k)
+        io.bind_ortvalue_input("top_k", k)
+        for name in ("hidden_out", "top_logp", "top_ids", "present_key_0", "present_value_0"):
+            io.bind_output(name)
+        self.draft_sess.run_with_iobinding(io)
+        h, logp, ids, pk, pv = io.get_outputs()
+        self.dcache.appended([pk, pv], N)
+        return _torch(h), _torch(logp), _torch(ids)
+
+    def draft_commit(self, keep):
+        self.dcache.commit(keep)
+
+    def draft_rollback(self):
+        self.dcache.rollback()
