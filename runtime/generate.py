@@ -25,7 +25,8 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verification cycle (>= 1)
     cycles: int = 0
     seconds: float = 0.0
-    forward_seconds: float = 0.0                           # time inside target and draft forwards
+    target_seconds: float = 0.0                            # time inside target forwards (prefill + verification)
+    draft_seconds: float = 0.0                             # time inside draft forwards
     stop_reason: str = ""
 
     @property
@@ -34,7 +35,12 @@ class GenerationResult:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
     @property
+    def forward_seconds(self) -> float:
+        return self.target_seconds + self.draft_seconds
+
+    @property
     def overhead_seconds(self) -> float:
+        """Time outside model forwards: tree building, verification, cache compaction, bookkeeping."""
         return self.seconds - self.forward_seconds
 
     def to_json(self) -> dict:
@@ -47,19 +53,24 @@ class _Timed:
     """Wraps a backend so that the loop can report the time spent outside model forwards."""
 
     def __init__(self, backend: Backend):
-        self.backend, self.seconds = backend, 0.0
+        self.backend, self.seconds = backend, {"target_forward": 0.0, "draft_forward": 0.0}
 
     def __getattr__(self, name):
         fn = getattr(self.backend, name)
-        if name not in ("target_forward", "draft_forward"):
+        if name not in self.seconds:
             return fn
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.seconds += time.perf_counter() - t
+            self.seconds[name] += time.perf_counter() - t
             return out
         return timed
+
+    def record(self, result: "GenerationResult", t0: float) -> "GenerationResult":
+        result.seconds = time.perf_counter() - t0
+        result.target_seconds, result.draft_seconds = self.seconds["target_forward"], self.seconds["draft_forward"]
+        return result
 
 
 class _Emitter:
@@ -139,8 +150,7 @@ class VanillaGenerator(_Base):
             pos = pos[:, -1:] + 1
             ids = torch.tensor([[token]])
         result.accept_lengths = [1] * result.cycles
-        result.seconds, result.forward_seconds = time.perf_counter() - t0, backend.seconds
-        return result
+        return backend.record(result, t0)
 
 
 class SpeculativeGenerator(_Base):
@@ -159,7 +169,7 @@ class SpeculativeGenerator(_Base):
         result, emitter, gen = self._start(input_ids, max_new_tokens, max_nodes, on_tokens)
 
         if emitter.done:
-            return result
+            return backend.record(result, t0)
         # Prefill: the whole prompt through the target, the first token, then the draft's context.
         ids = torch.tensor([input_ids])
         n = ids.shape[1]
@@ -197,5 +207,4 @@ class SpeculativeGenerator(_Base):
             seed = drafter.extend(feats[0, verdict.nodes], next_ids, length)
             length += verdict.nodes.shape[0]
             root = verdict.next_token
-        result.seconds, result.forward_seconds = time.perf_counter() - t0, backend.seconds
-        return result
+        return backend.record(result, t0)

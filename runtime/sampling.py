@@ -62,5 +62,5 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     verification reads the argmax of every tree node.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+        return torch.as_tensor(logits.detach().numpy().argmax(-1))
     return logits.argmax(-1)
