@@ -51,6 +51,40 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chk)
     chk.add_argument("--prompts", type=Path, required=True)
     chk.add_argument("--samples", type=int, default=300, help="sampling check: generations per prompt")
+
+    ben = sub.add_parser("bench", help="side-by-side speed table + JSON: vanilla vs speculative per backend, peers")
+    ben.add_argument("--target", type=Path, help="HF target folder (torch backend rows and transformers peers)")
+    ben.add_argument("--draft", type=Path, help="EAGLE head folder for the torch backend rows")
+    ben.add_argument("--engine", type=Path, action="append", default=[], help="engine folder (repeatable)")
+    ben.add_argument("--draft-lm", type=Path, help="small draft LM folder for transformers assisted generation")
+    ben.add_argument("--prompts", type=Path, required=True, help="JSONL prompts (see generate)")
+    ben.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    ben.add_argument("--trees", default="chain:3,dynamic:8/4/3,dynamic:60/7/10",
+                     help="comma list of chain:DEPTH, dynamic:TOTAL/DEPTH/TOPK, static")
+    ben.add_argument("--max-new-tokens", type=int, default=64)
+    ben.add_argument("--no-torch", action="store_true", help="skip the torch backend rows")
+    ben.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    ben.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON results file")
+
+    bld = sub.add_parser("build", help="export a target (+ EAGLE head) to an engine folder and check it")
+    bld.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
+    bld.add_argument("--draft", type=Path, help="EAGLE head folder (omit for a vanilla-only engine)")
+    bld.add_argument("--backend", choices=("onnxruntime",), default="onnxruntime")
+    bld.add_argument("--out", type=Path, required=True, help="engine folder to write, e.g. engines/NAME")
+    bld.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    bld.add_argument("--force", action="store_true", help="replace an existing engine folder")
+
+    tri = sub.add_parser("triton", help="write a Triton Inference Server model repository serving an engine")
+    tri.add_argument("--engine", type=Path, required=True,
+                     help="engine folder (or a folder with target/ and draft/ model folders)")
+    tri.add_argument("--out", type=Path, required=True, help="model repository to write into")
+    tri.add_argument("--name", default="eaglex", help="model name in the repository (default: eaglex)")
+    tri.add_argument("--instances", type=int, default=1, help="model instances (one request each at a time)")
+    tri.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
+    tri.add_argument("--threads", type=int, default=0, help="torch threads per instance (0: torch's default)")
+    tri.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
+    tri.add_argument("--copy", action="store_true", help="copy the engine into the repository (portable)")
+    tri.add_argument("--force", action="store_true", help="replace the model folder if it exists")
     return parser
 
 
@@ -152,10 +186,95 @@ def cmd_check(args) -> int:
     return 1 if bad else 0
 
 
+def parse_trees(text: str) -> list:
+    from eaglex.runtime.types import TreeConfig
+    trees = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        kind, _, arg = item.partition(":")
+        try:
+            if kind == "chain":
+                trees.append(TreeConfig("chain", depth=int(arg)))
+            elif kind == "static":
+                trees.append(TreeConfig("static"))
+            elif kind == "dynamic":
+                total, depth, top_k = (int(x) for x in arg.split("/"))
+                trees.append(TreeConfig("dynamic", total, depth, top_k))
+            else:
+                raise ValueError(f"unknown tree kind {kind!r}")
+        except ValueError as e:
+            raise ModelError(f"bad tree {item!r} ({e}); use chain:DEPTH, dynamic:TOTAL/DEPTH/TOPK or static") from None
+    return trees
+
+
+def cmd_bench(args) -> int:
+    from eaglex import bench
+    from eaglex.runtime.generate import VanillaGenerator
+    from eaglex.prompts import load_tokenizer, read_prompts
+
+    trees = parse_trees(args.trees)
+    backends = []
+    if args.target is not None and not args.no_torch:
+        from eaglex.runtime.torch_backend import TorchBackend
+        backends.append(("torch", TorchBackend(args.target, args.draft)))
+    for e in args.engine:
+        from eaglex.runtime.ort_backend import OrtBackend
+        backends.append((f"ort:{e.name}", OrtBackend(e)))
+    if not backends:
+        raise ModelError("give --target (torch rows) and/or --engine DIR")
+    tok_dir = args.target or getattr(backends[0][1], "tokenizer_dir", None)
+    prompts = read_prompts(args.prompts, load_tokenizer(tok_dir))
+    if args.num_prompts:
+        prompts = prompts[: args.num_prompts]
+    rows, cost_models, reference = [], {}, None
+    for name, backend in backends:
+        method = backend.draft_kind or "vanilla"
+        cm = bench.cost_model(backend)
+        cost_models[name] = cm
+        got = bench.run_backend(name, backend, trees if backend.draft_kind else [], prompts, args.max_new_tokens,
+                                method)
+        for row, tree in zip(got[1:], trees):
+            tau = sum(row.accept_lengths) / max(len(row.accept_lengths), 1)
+            row.predicted_speedup = bench.predicted_speedup(cm, tree, tau)
+        rows += [r.as_dict() for r in got]
+        if reference is None:
+            reference = [VanillaGenerator(backend).generate(p, args.max_new_tokens).output_ids for p in prompts]
+    if args.target is not None and not args.no_peers:
+        rows += [r.as_dict() for r in bench.run_hf_peers(args.target, prompts, args.max_new_tokens, args.draft_lm,
+                                                          reference)]
+    hf = next((r for r in rows if r["method"] == "hf greedy"), None)
+    for r in rows:
+        r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None
+    bench.print_table(rows)
+    payload = {"machine": bench.machine(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "cost_model": cost_models, "rows": rows}
+    bench.write_json(args.out, payload)
+    print(f"wrote {args.out}")
+    return 0 if all(r["identical_to_vanilla"] for r in rows) else 1
+
+
+def cmd_build(args) -> int:
+    from eaglex.engines.build import build_engine, summary
+
+    manifest = build_engine(args.target, args.draft, args.out, args.backend, args.dtype, args.force)
+    print(summary(manifest, args.out))
+    return 0
+
+
+def cmd_triton(args) -> int:
+    from eaglex.deploy.triton.repository import write_repository
+
+    model = write_repository(args.engine, args.out, args.name, args.instances, args.max_queue_size, args.threads,
+                             "vanilla" if args.vanilla else "default", args.copy, args.force)
+    print(f"wrote {model} (engine {args.engine.resolve()}, {args.instances} instance(s)); serve it with\n"
+          f"  python -m eaglex.deploy.triton.server start --repo {args.out} --pid-file triton.pid")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "check": cmd_check}[args.command](args)
+        return {"generate": cmd_generate, "check": cmd_check, "build": cmd_build, "bench": cmd_bench,
+                "triton": cmd_triton}[args.command](args)
     except ModelError as e:
         print(f"eaglex: error: {e}", file=sys.stderr)
         return 2
