@@ -1,0 +1,54 @@
+"""Where preset weights come from: an explicit folder, the local Hugging Face cache, a download, or a clear
+error offline. The download itself needs the network; the cache path is tested with a cache laid out here."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from eaglex.models.errors import ModelError
+from eaglex.presets import PRESETS, get_preset, resolve_weights
+
+
+def test_every_preset_names_its_hardware():
+    for p in PRESETS.values():
+        assert p.hardware and p.target_repo and p.draft_repo
+
+
+def test_unknown_preset():
+    with pytest.raises(ModelError, match="unknown MODEL=nope; presets: tiny"):
+        get_preset("nope")
+
+
+def test_explicit_folder(models):
+    assert resolve_weights("org/x", models["llama"], "target", "MODEL_DIR") == models["llama"]
+
+
+def test_explicit_folder_without_config(tmp_path):
+    with pytest.raises(ModelError, match="MODEL_DIR=.* has no config.json: place the Hugging Face folder of org/x"):
+        resolve_weights("org/x", tmp_path, "target", "MODEL_DIR")
+
+
+def test_local_hf_cache(models, tmp_path, monkeypatch):
+    """A repository already in the HF cache (models--org--name/snapshots/<rev>, refs/main) is used offline."""
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--tiny" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(models["llama"], snap)
+    (cache / "models--org--tiny" / "refs").mkdir(parents=True)
+    (cache / "models--org--tiny" / "refs" / "main").write_text(snap.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    got = resolve_weights("org/tiny", None, "target", "MODEL_DIR")
+    assert (got / "config.json").is_file() and got.name == snap.name
+
+
+def test_offline_without_weights_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="not in the local Hugging Face cache .* MODEL_DIR=/path/to/folder"):
+        resolve_weights("meta-llama/Llama-3.1-8B-Instruct", None, "target", "MODEL_DIR")
