@@ -22,8 +22,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "EAGLE-1/2 head + static tree; vanilla: no drafting (default: what the draft holds)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     t = p.add_argument_group("tree")
-    t.add_argument("--tree", choices=("dynamic", "static", "chain"),
-                   help="dynamic (EAGLE-2), static (EAGLE-1 mc_sim_7b_63) or chain (default: by method)")
+    t.add_argument("--tree", choices=("dynamic", "static", "chain", "auto"),
+                   help="dynamic (EAGLE-2), static (EAGLE-1 mc_sim_7b_63), chain, or auto: measure a ladder of "
+                        "chains and trees on the first prompts and keep the fastest (default: by method)")
     t.add_argument("--total-tokens", type=int, default=60, help="dynamic tree: nodes verified, root included")
     t.add_argument("--depth", type=int, default=7, help="draft expansion steps after the first draft step")
     t.add_argument("--tree-top-k", type=int, default=10, help="dynamic tree: nodes expanded per level")
@@ -85,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
     tri.add_argument("--copy", action="store_true", help="copy the engine into the repository (portable)")
     tri.add_argument("--force", action="store_true", help="replace the model folder if it exists")
+
+    trn = sub.add_parser("train-draft", help="train an EAGLE head for a target on its own continuations of prompts")
+    trn.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
+    trn.add_argument("--data", type=Path, required=True,
+                     help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line; the last 8 are held out for τ')
+    trn.add_argument("--out", type=Path, required=True, help="head folder to write (checkpoints/ inside: resumable)")
+    trn.add_argument("--method", choices=("eagle3", "eagle1"), default="eagle3",
+                     help="eagle3: training-time test, reduced vocabulary; eagle1: EAGLE-1/2 feature regression")
+    trn.add_argument("--steps", type=int, default=1000, help="optimiser steps")
     return parser
 
 
@@ -115,7 +125,7 @@ def resolve(args) -> tuple:
                              f"use --method {hint}")
     tree_kind = args.tree or ("static" if method == "eagle1" else "dynamic")
     try:
-        tree = TreeConfig(tree_kind, args.total_tokens, args.depth, args.tree_top_k)
+        tree = None if tree_kind == "auto" else TreeConfig(tree_kind, args.total_tokens, args.depth, args.tree_top_k)
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
         raise ModelError(str(e)) from None
@@ -132,11 +142,26 @@ def _prompts(args, backend) -> tuple[list[list[int]], object]:
     return read_prompts(args.prompts, tok, args.chat), tok
 
 
+def _auto_tree(backend, tree, prompts):
+    """Resolve --tree auto by measuring on (up to) the first 4 prompts."""
+    if tree is not None:
+        return tree
+    from eaglex.bench import tree_label
+    from eaglex.runtime.autotune import autotune
+    best, rows = autotune(backend, prompts[:4], max_new_tokens=32)
+    speed = {tree_label(r.tree): f"{r.tokens_per_s:.1f}" for r in rows[1:]}
+    print(f"--tree auto: {tree_label(best)} (tokens/s: vanilla {rows[0].tokens_per_s:.1f}, {speed})",
+          file=sys.stderr)
+    return best
+
+
 def cmd_generate(args) -> int:
     from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 
     backend, method, tree, sampling = resolve(args)
     prompts, tok = _prompts(args, backend)
+    if method != "vanilla":
+        tree = _auto_tree(backend, tree, prompts)
     gen = VanillaGenerator(backend, sampling) if method == "vanilla" else SpeculativeGenerator(backend, tree, sampling)
     out = open(args.out, "w") if args.out else None
     try:
@@ -165,6 +190,7 @@ def cmd_check(args) -> int:
     if method == "vanilla":
         raise ModelError("check compares speculative with vanilla decoding: give a draft head")
     prompts, _ = _prompts(args, backend)
+    tree = _auto_tree(backend, tree, prompts)
     if sampling.greedy:
         rows = check_greedy(backend, tree, prompts, args.max_new_tokens)
         print(f"{'#':>3} {'identical':>9} {'tau':>5} {'tokens':>6}  first divergence (logit margin)")
@@ -270,11 +296,21 @@ def cmd_triton(args) -> int:
     return 0
 
 
+def cmd_train_draft(args) -> int:
+    from eaglex.training.train_draft import TrainDraftConfig, train_draft
+
+    report = train_draft(args.target, args.data, args.out, TrainDraftConfig(method=args.method, steps=args.steps))
+    best = max(report["tau"], key=lambda r: r["tau"])
+    print(f"wrote {args.out} ({args.method}, {args.steps} steps, loss {report['first_loss']:.3f} -> "
+          f"{report['final_loss']:.3f}); best tau {best['tau']:.2f} ({best['shape']})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "check": cmd_check, "build": cmd_build, "bench": cmd_bench,
-                "triton": cmd_triton}[args.command](args)
+                "triton": cmd_triton, "train-draft": cmd_train_draft}[args.command](args)
     except ModelError as e:
         print(f"eaglex: error: {e}", file=sys.stderr)
         return 2

@@ -121,3 +121,11 @@ def test_bad_input_one_line_error(argv, message, models, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("eaglex: error:") and "\n" not in err
     assert pytest.importorskip("re").search(message, err), err
+
+
+def test_tree_auto_picks_a_measured_shape(models, prompt_file, tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
+                 "--prompts", str(prompt_file), "--tree", "auto", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    assert "--tree auto:" in capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 6

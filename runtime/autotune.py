@@ -1,0 +1,59 @@
+"""`--tree auto`: pick the draft tree for this machine and this model by measuring, not by GPU folklore.
+
+On a GPU a 60-node tree verifies almost for free; on a CPU a target forward over N tokens costs 1.4-6x a one-token
+forward (../shared/reference/cpu-cost-model.md), so the best shape depends on the hardware, the model size and how
+well the head agrees. The tuner runs vanilla and a ladder of chains and small-to-large trees on a few prompts,
+interleaved, and keeps the fastest shape whose output matched vanilla.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .generate import SpeculativeGenerator, VanillaGenerator
+from .types import TreeConfig
+
+CANDIDATES = (
+    TreeConfig("chain", depth=1), TreeConfig("chain", depth=2), TreeConfig("chain", depth=3),
+    TreeConfig("chain", depth=5), TreeConfig("dynamic", 6, 3, 2), TreeConfig("dynamic", 8, 4, 3),
+    TreeConfig("dynamic", 12, 5, 4), TreeConfig("dynamic", 16, 5, 4), TreeConfig("dynamic", 32, 6, 8),
+    TreeConfig("dynamic", 60, 7, 10),
+)
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    tree: TreeConfig
+    seconds: float
+    tokens: int
+    tau: float
+    identical: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def autotune(backend, prompts: list[list[int]], max_new_tokens: int = 48,
+             candidates: tuple[TreeConfig, ...] = CANDIDATES) -> tuple[TreeConfig, list[TuneRow]]:
+    """Fastest candidate by measured tokens/s (identical outputs only); rows[0] is vanilla (tree None)."""
+    vanilla = VanillaGenerator(backend)
+    gens = [SpeculativeGenerator(backend, t) for t in candidates]
+    vanilla.generate(prompts[0], 4)
+    for g in gens:                                         # warm-up
+        g.generate(prompts[0], 4)
+    base_s, base_tokens = 0.0, 0
+    acc = [[0.0, 0, [], True] for _ in candidates]         # seconds, tokens, accept lengths, identical
+    for p in prompts:
+        v = vanilla.generate(p, max_new_tokens)
+        base_s, base_tokens = base_s + v.seconds, base_tokens + len(v.output_ids)
+        for a, g in zip(acc, gens):
+            r = g.generate(p, max_new_tokens)
+            a[0] += r.seconds
+            a[1] += len(r.output_ids)
+            a[2] += r.accept_lengths
+            a[3] &= r.output_ids == v.output_ids
+    rows = [TuneRow(TreeConfig("chain", depth=0), base_s, base_tokens, 1.0, True)]
+    for t, (s, n, lengths, same) in zip(candidates, acc):
+        rows.append(TuneRow(t, s, n, sum(lengths) / max(len(lengths), 1), same))
+    best = max((r for r in rows[1:] if r.identical), key=lambda r: r.tokens_per_s)
+    return best.tree, rows
