@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first: the pinned CPU build installs from local disk in seconds; anything else pulls GBs
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,triton]"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install eaglex with its pinned dependencies
@@ -29,3 +29,32 @@ test-all: $(STAMP)  ## run every test, slow ones included
 
 clean:           ## remove build outputs (keeps .venv)
 	rm -rf build .pytest_cache
+
+.PHONY: tiny
+tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded
+	$(BIN)/python -m eaglex.training.tiny --out models/tiny --work build/tiny
+
+# --- Triton Inference Server (docs/triton.md): loopback only; the pid file says which server `serve` started ---
+ENGINE        ?= engines/tiny
+TRITON_DIR    ?= build/triton
+TRITON_MODEL  ?= eaglex
+TRITON_INSTANCES ?= 1
+TRITON_HTTP_PORT    ?= 8000
+TRITON_GRPC_PORT    ?= 8001
+TRITON_METRICS_PORT ?= 8002
+
+.PHONY: serve serve-stop serve-check-engine
+serve-check-engine:
+	@test -d "$(ENGINE)" || { echo "make serve: engine folder $(ENGINE) does not exist: build it with 'make engine'," \
+		"or pass ENGINE=DIR (an engine folder, or a folder with target/ and draft/)" >&2; exit 1; }
+
+serve: serve-check-engine $(STAMP)  ## start tritonserver on 127.0.0.1 serving $(ENGINE); returns once it is ready
+	@$(BIN)/python -m eaglex.deploy.triton.server check --pid-file $(TRITON_DIR)/server.pid
+	$(BIN)/eaglex triton --engine $(ENGINE) --out $(TRITON_DIR)/model_repository --name $(TRITON_MODEL) \
+		--instances $(TRITON_INSTANCES) --force
+	$(BIN)/python -m eaglex.deploy.triton.server start --repo $(TRITON_DIR)/model_repository \
+		--pid-file $(TRITON_DIR)/server.pid --log $(TRITON_DIR)/server.log --http-port $(TRITON_HTTP_PORT) \
+		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
+
+serve-stop:      ## stop the tritonserver that `make serve` started
+	$(BIN)/python -m eaglex.deploy.triton.server stop --pid-file $(TRITON_DIR)/server.pid

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -70,10 +71,45 @@ def build_parser() -> argparse.ArgumentParser:
     bld = sub.add_parser("build", help="export a target (+ EAGLE head) to an engine folder and check it")
     bld.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
     bld.add_argument("--draft", type=Path, help="EAGLE head folder (omit for a vanilla-only engine)")
-    bld.add_argument("--backend", choices=("onnxruntime",), default="onnxruntime")
+    bld.add_argument("--backend", choices=("onnxruntime", "tensorrt-llm"), default="onnxruntime",
+                     help="onnxruntime: ONNX engine run here; tensorrt-llm: a bundle for TensorRT-LLM's LLM API "
+                          "(PyTorch backend, EAGLE-3) on GPU machines")
     bld.add_argument("--out", type=Path, required=True, help="engine folder to write, e.g. engines/NAME")
     bld.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     bld.add_argument("--force", action="store_true", help="replace an existing engine folder")
+    q = bld.add_argument_group("quantization")
+    q.add_argument("--quant", choices=("fp8", "int8"),
+                   help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime) or the ModelOpt FP8 checkpoint "
+                        "(tensorrt-llm); int8: weight-only MatMulNBits, the fast quantized CPU path (onnxruntime)")
+    q.add_argument("--calibrated", type=Path, help="FP8 checkpoint written by `eaglex calibrate` (for --quant fp8)")
+    q.add_argument("--quant-draft", action="store_true", help="also quantize the draft graphs (onnxruntime)")
+    q.add_argument("--calibrated-draft", type=Path, help="FP8 draft from `eaglex calibrate --quant-draft`")
+    tl = bld.add_argument_group("tensorrt-llm")
+    tl.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs per pipeline stage)")
+    tl.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    tl.add_argument("--max-draft-len", type=int, default=3, help="EAGLE-3 draft steps (chain length / tree depth)")
+    tl.add_argument("--dynamic-tree-top-k", type=int, default=0,
+                    help="EAGLE-2-style dynamic tree with K children per node (0: linear chain)")
+    tl.add_argument("--max-total-draft-tokens", type=int, default=0,
+                    help="dynamic tree: draft tokens verified per step (0: K x max-draft-len)")
+
+    cal = sub.add_parser("calibrate", help="FP8 post-training quantization with NVIDIA ModelOpt + quality report")
+    cal.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
+    cal.add_argument("--out", type=Path, required=True, help="folder for ModelOpt's unified FP8 HF checkpoint")
+    cal.add_argument("--quant", choices=("fp8",), default="fp8")
+    cal.add_argument("--kv-cache", choices=("fp8",), help="also calibrate FP8 k/v cache scales")
+    cal.add_argument("--data", default="builtin",
+                     help='"builtin" (held-out corpus of the embedded default; needs a tokenizer) or a JSONL file '
+                          'of {"prompt": ...} / {"input_ids": [...]} lines (the last fifth is held out)')
+    cal.add_argument("--samples", type=int, default=32, help="calibration windows")
+    cal.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    cal.add_argument("--eval-samples", type=int, default=8, help="held-out windows for the quality report")
+    cal.add_argument("--batch-size", type=int, default=4)
+    cal.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    cal.add_argument("--draft", type=Path, help="EAGLE head folder (with --quant-draft)")
+    cal.add_argument("--quant-draft", action="store_true", help="also quantize the EAGLE head (default: float)")
+    cal.add_argument("--draft-out", type=Path, help="FP8 head folder (default: OUT-draft)")
+    cal.add_argument("--force", action="store_true", help="replace existing output folders")
 
     tri = sub.add_parser("triton", help="write a Triton Inference Server model repository serving an engine")
     tri.add_argument("--engine", type=Path, required=True,
@@ -82,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--name", default="eaglex", help="model name in the repository (default: eaglex)")
     tri.add_argument("--instances", type=int, default=1, help="model instances (one request each at a time)")
     tri.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
-    tri.add_argument("--threads", type=int, default=0, help="torch threads per instance (0: torch's default)")
+    tri.add_argument("--threads", type=int, default=0,
+                     help="intra-op threads per instance (0: the backend's default)")
     tri.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
     tri.add_argument("--copy", action="store_true", help="copy the engine into the repository (portable)")
     tri.add_argument("--force", action="store_true", help="replace the model folder if it exists")
@@ -155,9 +192,25 @@ def _auto_tree(backend, tree, prompts):
     return best
 
 
+def _trtllm_runner(args):
+    """A TrtllmRunner when --engine is a TensorRT-LLM bundle, else None."""
+    if args.engine is None:
+        return None
+    from eaglex.engines.trtllm import is_bundle
+    if not is_bundle(args.engine):
+        return None
+    if args.target or args.draft:
+        raise ModelError("give either --engine or --target/--draft, not both")
+    from eaglex.runtime.trtllm_runner import TrtllmRunner
+    return TrtllmRunner(args.engine)
+
+
 def cmd_generate(args) -> int:
     from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 
+    runner = _trtllm_runner(args)
+    if runner is not None:
+        return _trtllm_generate(args, runner)
     backend, method, tree, sampling = resolve(args)
     prompts, tok = _prompts(args, backend)
     if method != "vanilla":
@@ -183,9 +236,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _trtllm_generate(args, runner) -> int:
+    prompts, tok = _prompts(args, runner)
+    results = runner.generate(prompts, args.max_new_tokens, speculative=args.method != "vanilla",
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    with (open(args.out, "w") if args.out else contextlib.nullcontext()) as out:
+        for r in results:
+            if out:
+                out.write(json.dumps(r.to_json()) + "\n")
+            else:
+                print(tok.decode(r.output_ids) if tok is not None else " ".join(map(str, r.output_ids)))
+    return 0
+
+
+def _trtllm_check(args, runner) -> int:
+    if args.temperature > 0:
+        raise ModelError("check on a TensorRT-LLM bundle compares greedy decoding only (TensorRT-LLM's EAGLE-3 "
+                         "verifies greedily); drop --temperature")
+    prompts, _ = _prompts(args, runner)
+    rows = runner.check(prompts, args.max_new_tokens)
+    for r in rows:
+        div = "-" if r["identical"] else f"at {r['divergence']}"
+        print(f"{r['index']:>3} {'yes' if r['identical'] else 'NO':>9} {r['new_tokens']:>6}  {div}")
+    bad = sum(not r["identical"] for r in rows)
+    print(f"{len(rows) - bad}/{len(rows)} identical to vanilla (tensorrt-llm, EAGLE-3)")
+    return 1 if bad else 0
+
+
 def cmd_check(args) -> int:
     from eaglex.runtime.equivalence import check_distribution, check_greedy
 
+    runner = _trtllm_runner(args)
+    if runner is not None:
+        return _trtllm_check(args, runner)
     backend, method, tree, sampling = resolve(args)
     if method == "vanilla":
         raise ModelError("check compares speculative with vanilla decoding: give a draft head")
@@ -281,8 +364,44 @@ def cmd_bench(args) -> int:
 def cmd_build(args) -> int:
     from eaglex.engines.build import build_engine, summary
 
+    if args.backend == "tensorrt-llm":
+        from eaglex.engines import trtllm
+        if args.quant not in (None, "fp8") or args.quant_draft:
+            raise ModelError("TensorRT-LLM bundles take --quant fp8 (target only); int8 and --quant-draft are "
+                             "for onnxruntime engines")
+        cfg = trtllm.TrtllmConfig(quant=args.quant, tp=args.tp, pp=args.pp, max_draft_len=args.max_draft_len,
+                                  dynamic_tree_top_k=args.dynamic_tree_top_k,
+                                  max_total_draft_tokens=args.max_total_draft_tokens)
+        manifest = trtllm.build_trtllm_bundle(args.target, args.draft, args.out, cfg, args.calibrated, args.force)
+        print(trtllm.summary(manifest, args.out))
+        return 0
+    if args.quant is None and (args.calibrated or args.quant_draft or args.calibrated_draft):
+        raise ModelError("--calibrated/--quant-draft need --quant fp8|int8")
+    if args.quant == "fp8" and args.calibrated is None:   # fail before the (long) float build
+        raise ModelError("--quant fp8 needs calibrated scales: run `eaglex calibrate --target DIR --out CAL` and "
+                         "pass --calibrated CAL")
     manifest = build_engine(args.target, args.draft, args.out, args.backend, args.dtype, args.force)
+    if args.quant is not None:
+        from eaglex.engines.quantize import quantize_engine
+        manifest = quantize_engine(args.out, args.quant, args.calibrated, draft=args.quant_draft,
+                                   calibrated_draft_dir=args.calibrated_draft)
     print(summary(manifest, args.out))
+    if args.quant is not None:
+        q = manifest["quant"]
+        print(f"  quantized {args.quant}: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"
+              f" target logits vs float: rel. error {q['parity']['logits_rel_error']:.2e}, "
+              f"top-1 agreement {q['parity']['top1_agreement']:.2%}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from eaglex.calibration.fp8 import CalibrateConfig, calibrate, format_report
+
+    cfg = CalibrateConfig(quant=args.quant, kv_cache=args.kv_cache, data=args.data, samples=args.samples,
+                          seq_len=args.seq_len, eval_samples=args.eval_samples, batch_size=args.batch_size,
+                          dtype=args.dtype, quant_draft=args.quant_draft)
+    report = calibrate(args.target, args.out, cfg, args.draft, args.draft_out, args.force)
+    print(format_report(report))
     return 0
 
 
@@ -310,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "check": cmd_check, "build": cmd_build, "bench": cmd_bench,
-                "triton": cmd_triton, "train-draft": cmd_train_draft}[args.command](args)
+                "triton": cmd_triton, "train-draft": cmd_train_draft,
+                "calibrate": cmd_calibrate}[args.command](args)
     except ModelError as e:
         print(f"eaglex: error: {e}", file=sys.stderr)
         return 2

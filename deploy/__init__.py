@@ -1,0 +1,1 @@
+"""Deployment targets for eaglex engines (Triton Inference Server today; see docs/triton.md)."""

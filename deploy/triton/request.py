@@ -1,0 +1,203 @@
+"""One Triton request -> a validated GenerateRequest, or a RequestError that becomes a 4xx response.
+
+Pure Python + numpy (no Triton import), so the rules are unit-testable without a server. The tensor names follow
+tensorrtllm_backend's ensemble (`text_input`, `max_tokens`, `temperature`, `top_p`, `top_k`, `random_seed`/`seed`,
+`end_id`, `stream`, `stop_words`, `bad_words`, `beam_width`, `pad_id`), so clients written for TensorRT-LLM on Triton
+send the same request. What eaglex cannot honour without changing the output distribution (bad_words, beam search,
+log-prob outputs) is refused with a clear message instead of being ignored.
+
+Triton's own front end checks tensor names, shapes and data types before the model sees a request; what arrives here
+is already typed. Keys of a generate-extension body that match no input arrive as request *parameters*; those are
+refused as unknown, apart from Triton's reserved `triton_*` keys and TensorRT-LLM's harmless flags.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eaglex.runtime.types import SamplingConfig
+
+# request parameters TensorRT-LLM clients send that need no action: stats are always returned, and the flags asking
+# for logits/log-probs are accepted only when false (eaglex does not compute them)
+PERF_FLAGS = ("return_perf_metrics", "exclude_input_in_output")
+FALSE_ONLY_FLAGS = ("return_log_probs", "return_context_logits", "return_generation_logits")
+
+
+class RequestError(ValueError):
+    """A client mistake. `code` names the pb_utils.TritonError code: INVALID_ARG -> HTTP 400, UNSUPPORTED -> 400."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARG"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this deployment accepts; set from the engine and the model's config.pbtxt parameters."""
+    vocab_size: int
+    max_context: int            # prompt + new tokens must fit
+    max_input_bytes: int        # text_input longer than this is refused before tokenizing
+    default_max_tokens: int     # when the request has no max_tokens (clipped to the room left)
+    has_tokenizer: bool
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    stream: bool = False
+    end_id: int | None = None
+    stop_words: list[str] = field(default_factory=list)
+
+
+def _one(arrays: dict, name: str):
+    """The single element of a [1] or [1, 1] tensor, None when absent."""
+    a = arrays.get(name)
+    if a is None:
+        return None
+    if a.size != 1:
+        raise RequestError(f"{name} must hold exactly one value (shape [1] or [1, 1]), got shape {list(a.shape)}; "
+                           "send one prompt per request")
+    return a.reshape(-1)[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"{name} must be a string (BYTES), got {type(value).__name__}")
+
+
+def _int(arrays: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = _one(arrays, name)
+    if v is None:
+        return None
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise RequestError(f"{name} must be {bounds}, got {v}")
+    return v
+
+
+def _float(arrays: dict, name: str) -> float | None:
+    v = _one(arrays, name)
+    if v is None:
+        return None
+    v = float(v)
+    if not math.isfinite(v):
+        raise RequestError(f"{name} must be a finite number, got {v}")
+    return v
+
+
+def check_parameters(raw: str | dict | None) -> None:
+    """Refuse unknown request parameters (misspelled knobs would otherwise be silently ignored)."""
+    params = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+    for key, value in params.items():
+        if key.startswith("triton_"):            # reserved by Triton itself (e.g. triton_enable_empty_final_response)
+            continue
+        if key in PERF_FLAGS:
+            continue
+        if key in FALSE_ONLY_FLAGS:
+            if value not in (False, 0, "false", "False"):
+                raise RequestError(f"{key} is not supported by eaglex (it returns no logits or log-probs)",
+                                   "UNSUPPORTED")
+            continue
+        raise RequestError(f"unknown parameter {key!r}: this model's inputs are text_input or input_ids, "
+                           "max_tokens, temperature, top_p, top_k, seed/random_seed, end_id, stream, stop_words")
+
+
+def parse(arrays: dict[str, np.ndarray], parameters, limits: Limits, tokenize) -> GenerateRequest:
+    """Validate one request. `arrays`: input name -> numpy array as Triton delivers it; `tokenize`: str -> ids."""
+    check_parameters(parameters)
+    ids = _prompt(arrays, limits, tokenize)
+    room = limits.max_context - len(ids)
+    if room <= 0:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the model's context holds {limits.max_context}, "
+                           "so no token can be generated: shorten the prompt")
+
+    max_tokens = _int(arrays, "max_tokens")
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, room)
+    elif max_tokens <= 0:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    elif max_tokens > room:
+        raise RequestError(f"max_tokens {max_tokens} is beyond the context: the prompt has {len(ids)} tokens and the "
+                           f"context holds {limits.max_context}, so at most {room} new tokens fit")
+
+    beam = _int(arrays, "beam_width")
+    if beam is not None and beam != 1:
+        raise RequestError(f"beam_width {beam} is not supported: eaglex decodes one sequence (beam_width 1)",
+                           "UNSUPPORTED")
+    bad = [w for w in _words(arrays, "bad_words") if w]
+    if bad:
+        raise RequestError("bad_words is not supported: it would change the target's output distribution",
+                           "UNSUPPORTED")
+    stop_words = [w for w in _words(arrays, "stop_words") if w]
+    if stop_words and not limits.has_tokenizer:
+        raise RequestError("stop_words needs a tokenizer, and this engine has none: use end_id instead")
+    _int(arrays, "pad_id", 0, limits.vocab_size - 1)     # checked, then unused: one sequence needs no padding
+    end_id = _int(arrays, "end_id", 0, limits.vocab_size - 1)
+    return GenerateRequest(ids, max_tokens, _sampling(arrays), bool(_one(arrays, "stream") or False), end_id,
+                           stop_words)
+
+
+def _prompt(arrays: dict, limits: Limits, tokenize) -> list[int]:
+    text, ids = arrays.get("text_input"), arrays.get("input_ids")
+    if text is not None and ids is not None:
+        raise RequestError("give either text_input or input_ids, not both")
+    if text is None and ids is None:
+        raise RequestError("the request has no prompt: give text_input (or input_ids)")
+    if ids is not None:
+        flat = ids.reshape(-1)
+        if flat.size == 0:
+            raise RequestError("the prompt is empty: input_ids holds no token")
+        if flat.size >= limits.max_context:
+            raise RequestError(f"input_ids has {flat.size} tokens; the model's context holds {limits.max_context}")
+        if int(flat.min()) < 0 or int(flat.max()) >= limits.vocab_size:
+            raise RequestError(f"input_ids must lie in [0, {limits.vocab_size})")
+        return [int(i) for i in flat]
+    value = _one(arrays, "text_input")
+    raw = bytes(value) if isinstance(value, (bytes, np.bytes_)) else None
+    if raw is not None and len(raw) > limits.max_input_bytes:     # before decoding or tokenizing megabytes
+        raise RequestError(f"text_input is {len(raw)} bytes; this model accepts at most {limits.max_input_bytes}")
+    prompt = _text(value, "text_input")
+    if not prompt:
+        raise RequestError("the prompt is empty: text_input is an empty string")
+    if not limits.has_tokenizer:
+        raise RequestError("this engine has no tokenizer: send input_ids (INT32 token ids) instead of text_input")
+    out = tokenize(prompt)
+    if not out:
+        raise RequestError("the prompt is empty: text_input tokenizes to no tokens")
+    if len(out) >= limits.max_context:
+        raise RequestError(f"the prompt has {len(out)} tokens; the model's context holds {limits.max_context}: "
+                           "shorten it")
+    return out
+
+
+def _words(arrays: dict, name: str) -> list[str]:
+    a = arrays.get(name)
+    return [] if a is None else [_text(v, name) for v in a.reshape(-1)]
+
+
+def _sampling(arrays: dict) -> SamplingConfig:
+    """TensorRT-LLM's knobs -> SamplingConfig. Absent or 0 temperature is greedy; top_p 0 means "off" (TRT-LLM)."""
+    temperature = _float(arrays, "temperature") or 0.0
+    top_p = _float(arrays, "top_p")
+    top_k = _int(arrays, "top_k", 0)
+    seed = _int(arrays, "seed", 0, 2 ** 64 - 1)
+    random_seed = _int(arrays, "random_seed", 0, 2 ** 64 - 1)
+    if seed is not None and random_seed is not None and seed != random_seed:
+        raise RequestError(f"seed ({seed}) and random_seed ({random_seed}) disagree: give one of them")
+    try:
+        return SamplingConfig(temperature, 1.0 if not top_p else top_p, top_k or 0,
+                              seed if seed is not None else (random_seed or 0))
+    except ValueError as e:                     # SamplingConfig's own range checks
+        raise RequestError(str(e)) from None

@@ -1,0 +1,405 @@
+"""Triton deployment: request rules and repository writing (no server), then the real tritonserver that
+nvidia-pytriton bundles, on loopback ports, serving a repository written by `eaglex triton` for the Llama fixture
+with its EAGLE-3 head and a character-level tokenizer.
+
+Server tests: 16 concurrent requests (greedy and sampling, short and long) whose greedy outputs equal vanilla
+decoding; streamed chunks that join to the one-shot output; every bad input answered with its error while the
+server stays ready; cancelled and disconnected clients; custom metrics; a clean stop that leaves no process behind.
+They are skipped only when tritonserver is not installed (pip install -e '.[triton]').
+"""
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from eaglex.cli import main
+from eaglex.deploy.triton import server as triton_server
+from eaglex.deploy.triton.repository import write_repository
+from eaglex.deploy.triton.request import Limits, RequestError, parse
+from eaglex.deploy.triton.textstream import TextStream
+from eaglex.models.errors import ModelError
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;()"      # 47 characters + the EOS token = the 48 ids
+
+try:
+    triton_server.triton_root()
+    NO_TRITON = None
+except triton_server.TritonUnavailable as e:
+    NO_TRITON = str(e)
+needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=f"tritonserver cannot be used: {NO_TRITON}")
+
+
+def write_char_tokenizer(folder, eos_id: int, vocab_size: int = 48) -> None:
+    """A character-level tokenizer over the fixtures' vocabulary: one id per character, EOS at the model's id."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = iter(CHARS)
+    vocab = {("</s>" if i == eos_id else next(chars)): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()              # characters join without spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(folder))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# request rules, text streaming, repository writing: no server needed
+# ---------------------------------------------------------------------------------------------------------------
+LIMITS = Limits(vocab_size=48, max_context=64, max_input_bytes=100, default_max_tokens=16, has_tokenizer=True)
+
+
+def _parse(params=None, **arrays):
+    def arr(v):
+        if isinstance(v, str):
+            return np.array([[v.encode()]], dtype=object)
+        return np.array([v]) if isinstance(v, list) else np.array([[v]])
+    return parse({k: arr(v) for k, v in arrays.items()}, params, LIMITS, lambda s: [CHARS.index(c) for c in s])
+
+
+def test_parse_defaults_and_trtllm_conventions():
+    r = _parse(text_input="abc")
+    assert r.input_ids == [0, 1, 2] and r.max_tokens == 16 and r.sampling.greedy and not r.stream
+    r = _parse(text_input="abc", max_tokens=61, temperature=0.5, top_p=0.0, top_k=5, random_seed=7, stream=True,
+               end_id=3, stop_words=["x"], bad_words=[""], beam_width=1)
+    assert r.max_tokens == 61 and r.sampling.top_p == 1.0 and r.sampling.seed == 7 and r.stream and r.end_id == 3
+    assert _parse('{"triton_enable_empty_final_response": true}', input_ids=[1, 2]).input_ids == [1, 2]
+
+
+@pytest.mark.parametrize("arrays,params,message,code", [
+    ({"text_input": ""}, None, "empty", "INVALID_ARG"),
+    ({"input_ids": []}, None, "empty", "INVALID_ARG"),
+    ({}, None, "no prompt", "INVALID_ARG"),
+    ({"text_input": "ab", "input_ids": [1]}, None, "not both", "INVALID_ARG"),
+    ({"text_input": "ab", "max_tokens": 0}, None, ">= 1", "INVALID_ARG"),
+    ({"text_input": "ab", "max_tokens": 63}, None, "beyond the context", "INVALID_ARG"),
+    ({"text_input": "a" * 64}, None, "context holds 64", "INVALID_ARG"),
+    ({"text_input": "a" * 101}, None, "at most 100", "INVALID_ARG"),
+    ({"input_ids": [1, 48]}, None, "[0, 48)", "INVALID_ARG"),
+    ({"text_input": "ab"}, '{"temprature": 0.5}', "unknown parameter 'temprature'", "INVALID_ARG"),
+    ({"text_input": "ab"}, '{"return_log_probs": true}', "not supported", "UNSUPPORTED"),
+    ({"text_input": "ab", "top_p": 1.5}, None, "top_p", "INVALID_ARG"),
+    ({"text_input": "ab", "temperature": -1.0}, None, "temperature", "INVALID_ARG"),
+    ({"text_input": "ab", "seed": 1, "random_seed": 2}, None, "disagree", "INVALID_ARG"),
+    ({"text_input": "ab", "beam_width": 4}, None, "beam_width", "UNSUPPORTED"),
+    ({"text_input": "ab", "bad_words": ["x"]}, None, "bad_words", "UNSUPPORTED"),
+    ({"text_input": "ab", "end_id": 48}, None, "end_id", "INVALID_ARG"),
+])
+def test_parse_refuses(arrays, params, message, code):
+    with pytest.raises(RequestError) as e:
+        _parse(params, **arrays)
+    assert message in str(e.value) and e.value.code == code
+
+
+def test_parse_refuses_bad_utf8_and_batches():
+    with pytest.raises(RequestError, match="UTF-8"):
+        parse({"text_input": np.array([[b"\xff\xfe"]], dtype=object)}, None, LIMITS, list)
+    with pytest.raises(RequestError, match="one prompt per request"):
+        parse({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, None, LIMITS, list)
+
+
+class _ByteTok:
+    """Decodes ids as UTF-8 bytes (id = byte), like byte-level BPE: a character may span several ids."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_split_characters_and_stops_at_stop_words():
+    s = TextStream(_ByteTok())
+    e = "é".encode()
+    chunks = [s.push([ord("a"), e[0]]), s.push([e[1], ord("b")]), s.finish()]
+    assert chunks == ["a", "éb", ""] and "".join(chunks) == "aéb"
+    s = TextStream(_ByteTok(), ["cd"])
+    assert s.push(list(b"abc")) == "ab"            # "c" may begin the stop word: held back
+    assert s.push(list(b"x")) == "cx"              # it did not
+    assert s.push(list(b"ycde")) == "y" and s.stopped and s.finish() == "" and s.text == "abcxy"
+
+
+def test_write_repository(tmp_path, models):
+    engine = tmp_path / "ck"
+    (engine / "target").mkdir(parents=True)
+    shutil.copy(models["llama"] / "config.json", engine / "target")
+    model = write_repository(engine, tmp_path / "repo", "m1", instances=3, max_queue_size=5)
+    cfg = (model / "config.pbtxt").read_text()
+    for s in ('name: "m1"', 'backend: "python"', "decoupled: true", "count: 3 kind: KIND_CPU", "max_queue_size: 5",
+              'name: "text_input" data_type: TYPE_STRING', 'name: "max_tokens" data_type: TYPE_INT32',
+              'name: "temperature" data_type: TYPE_FP32', 'name: "seed" data_type: TYPE_UINT64',
+              'name: "stream" data_type: TYPE_BOOL', 'name: "text_output" data_type: TYPE_STRING',
+              f'string_value: "{engine.resolve()}"'):
+        assert s in cfg, s
+    assert "TritonPythonModel" in (model / "1" / "model.py").read_text()
+    with pytest.raises(ModelError, match="--force"):
+        write_repository(engine, tmp_path / "repo", "m1")
+    write_repository(engine, tmp_path / "repo", "m1", force=True)
+    with pytest.raises(ModelError, match="does not exist"):
+        write_repository(tmp_path / "missing", tmp_path / "repo", "m2")
+    with pytest.raises(ModelError, match="neither an engine"):
+        write_repository(tmp_path / "repo", tmp_path / "repo2", "m2")
+
+
+def test_layouts(tmp_path, models):
+    from eaglex.deploy.triton.loader import layout
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "manifest.json").write_text("{}")
+    assert layout(tmp_path / "engine") == "engine" and layout(models["llama"]) == "hf"
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "target").symlink_to(models["llama"])
+    assert layout(tmp_path / "ck") == "checkpoint"
+
+
+def test_cli_triton(tmp_path, capsys):
+    assert main(["triton", "--engine", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real server
+# ---------------------------------------------------------------------------------------------------------------
+GREEDY_PROMPTS = ["hello world", "the quick brown fox", "eagle speculative decoding", "a", "lossless: 42!",
+                  "draft then verify", "triton server", "zz top"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(models, tmp_path_factory):
+    """target/ (Llama fixture + char tokenizer) and draft/ (EAGLE-3 head): the layout the model loads directly."""
+    root = tmp_path_factory.mktemp("triton-ck")
+    shutil.copytree(models["llama"], root / "target")
+    shutil.copytree(models["llama/eagle3"], root / "draft")
+    eos = json.loads((root / "target" / "config.json").read_text())["eos_token_id"]
+    write_char_tokenizer(root / "target", eos)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    work = tmp_path_factory.mktemp("triton")
+    write_repository(checkpoint, work / "repo", "eaglex", instances=2, threads=1, max_queue_size=32)
+    srv = triton_server.TritonServer(work / "repo", work, exit_timeout=20).start()
+    try:
+        srv.startup_seconds = srv.wait_ready(150)
+        yield srv
+    finally:
+        pgid = srv.pid
+        code = srv.stop()
+        left = triton_server.group_pids(pgid)
+        if left:                                      # never leave a process behind, even when the test fails
+            triton_server.stop_group(pgid, 1)
+        assert not left, f"processes left behind: {left}"
+        assert code == 0, f"tritonserver exited with {code}:\n{srv.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Vanilla greedy decoding of the same target in this process, and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from eaglex.runtime.generate import VanillaGenerator
+    from eaglex.runtime.torch_backend import TorchBackend
+
+    tok = AutoTokenizer.from_pretrained(checkpoint / "target")
+    gen = VanillaGenerator(TorchBackend(checkpoint / "target"))
+
+    def run(text: str, max_tokens: int) -> list[int]:
+        return gen.generate(tok(text)["input_ids"], max_tokens).output_ids
+    return run, tok
+
+
+def post(srv, endpoint: str, body: dict | bytes, model: str = "eaglex"):
+    """(status, parsed JSON or list of SSE events) of POST /v2/models/<model>/<endpoint>."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"{srv.url}/v2/models/{model}/{endpoint}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    if endpoint == "generate_stream" and text.startswith("data:"):
+        return status, [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    return status, json.loads(text)
+
+
+def ids_of(value) -> list[int]:
+    """output_ids as the generate extension writes it: a scalar for one element, else a list."""
+    return [] if value is None else ([value] if isinstance(value, int) else list(value))
+
+
+def metrics(srv) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("eaglex_")}
+
+
+@needs_triton
+def test_concurrent_requests_match_vanilla(server, reference):
+    run_vanilla, tok = reference
+    jobs = []
+    for i, text in enumerate(GREEDY_PROMPTS):                       # 8 greedy: short and long
+        jobs.append({"text_input": text, "max_tokens": 8 if i % 2 else 200})
+    for i, text in enumerate(GREEDY_PROMPTS[:4]):                   # 8 sampling: 4 seeds, each sent twice
+        job = {"text_input": text, "max_tokens": 12 if i % 2 else 150, "temperature": 0.9, "top_p": 0.95,
+               "top_k": 20, "seed": 100 + i}
+        jobs += [job, dict(job)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda b: post(server, "generate", b), jobs))
+    wall = time.perf_counter() - t0
+
+    for body, (status, out) in zip(jobs, results):
+        assert status == 200, (body, out)
+        ids = ids_of(out["output_ids"])
+        assert 1 <= len(ids) <= body["max_tokens"] and out["text_output"] == tok.decode(ids, skip_special_tokens=True)
+        assert out["finish_reason"] in ("eos", "length")
+        if "temperature" not in body:
+            assert ids == run_vanilla(body["text_input"], body["max_tokens"]), body
+            assert out["cycles"] >= 1 or len(ids) == 1
+    for a in range(8, 16, 2):                                        # same seed, same request: same output
+        assert results[a][1]["output_ids"] == results[a + 1][1]["output_ids"]
+    tokens = sum(len(ids_of(out["output_ids"])) for _, out in results)
+    taus = [out["tau"] for _, out in results if out["cycles"]]
+    print(f"\n[triton] 16 concurrent requests, 2 instances: {wall:.2f} s wall, {tokens} tokens, "
+          f"{tokens / wall:.0f} tokens/s, mean tau {sum(taus) / len(taus):.2f}; server ready in "
+          f"{server.startup_seconds:.1f} s", file=sys.stderr)
+
+    m = metrics(server)
+    assert m['eaglex_requests_total{model="eaglex",outcome="success"}'] >= 16
+    assert m['eaglex_output_tokens_total{model="eaglex"}'] >= tokens
+    assert m['eaglex_cycles_total{model="eaglex"}'] > 0 and m['eaglex_accepted_draft_tokens_total{model="eaglex"}'] > 0
+    assert 'eaglex_tau{model="eaglex"}' in m
+
+
+@needs_triton
+@pytest.mark.parametrize("body", [
+    {"text_input": "hello world", "max_tokens": 120},
+    {"text_input": "eagle speculative decoding", "max_tokens": 60, "temperature": 1.0, "seed": 5},
+])
+def test_stream_chunks_join_to_the_full_output(server, body):
+    status, whole = post(server, "generate", body)
+    assert status == 200, whole
+    status, events = post(server, "generate_stream", {**body, "stream": True})
+    assert status == 200 and events, events
+    *chunks, final = events
+    assert "tau" in final and "output_ids" not in final                 # the final response: statistics
+    assert len(chunks) == final["cycles"] + 1 == whole["cycles"] + 1     # the prefill's token, then each cycle
+    assert [i for c in chunks for i in ids_of(c["output_ids"])] == ids_of(whole["output_ids"])
+    assert "".join(c["text_output"] for c in events) == whole["text_output"]
+    assert final["tau"] == pytest.approx(whole["tau"])
+
+
+BAD_INPUTS = [
+    # (body, status, part of the message)
+    ({"text_input": "", "max_tokens": 5}, 400, "prompt is empty"),
+    ({"input_ids": [], "max_tokens": 5}, 400, "prompt is empty"),
+    ({"max_tokens": 5}, 400, "no prompt"),
+    ({"text_input": "hi", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
+    ({"text_input": "hi", "max_tokens": -3}, 400, "max_tokens must be >= 1"),
+    ({"text_input": "hi", "max_tokens": 511}, 400, "beyond the context"),
+    ({"text_input": "hi", "temprature": 0.5}, 400, "unknown parameter 'temprature'"),
+    ({"text_input": "hi", "parameters": {"foo": 1}}, 400, "unknown parameter 'foo'"),
+    ({"text_input": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"text_input": "hi", "beam_width": 2}, 400, "beam_width"),
+    ({"text_input": ["one", "two"]}, 400, "batch-size"),              # Triton's own shape check
+    ({"input_ids": [1, 99]}, 400, "input_ids must lie in"),
+    ({"text_input": "a" * 600}, 400, "context holds 512"),             # oversized: more tokens than the context
+    ({"text_input": "a" * 70000}, 400, "at most 65536"),               # oversized: refused before tokenizing
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+def test_bad_inputs_get_4xx_and_the_server_stays_ready(server, endpoint):
+    for body, code, message in BAD_INPUTS:
+        status, out = post(server, endpoint, body)
+        err = out[0]["error"] if isinstance(out, list) else out["error"]
+        assert status == code and message in err, (body, status, out)
+        assert server.ready()
+    # A JSON value of the wrong type for a declared input never reaches the model: Triton 2.51's generate front
+    # end refuses it itself, with status 500 ("Unable to parse 'data'"), an upstream choice (docs/triton.md).
+    for body in ({"text_input": "hi", "max_tokens": "ten"}, {"text_input": "hi", "temperature": "hot"},
+                 {"text_input": 5}):
+        status, out = post(server, endpoint, body)
+        assert status in (400, 500) and "parse" in out["error"].lower(), out
+        assert server.ready()
+    status, out = post(server, endpoint, {"text_input": "hi", "max_tokens": 4})
+    assert status == 200
+
+
+@needs_triton
+def test_wrong_types_through_the_tensor_api_are_invalid_argument(server):
+    """gRPC (what TensorRT-LLM's clients use): tensors of the wrong type get INVALID_ARGUMENT from Triton, value
+    errors get the model's own message; the stream keeps working."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        prompt = tensor("text_input", np.array([["hello"]], dtype=object), "BYTES")
+        client.async_stream_infer("eaglex", [prompt, tensor("max_tokens", np.array([[5.0]], np.float32), "FP32")])
+        _, err = results.get(timeout=30)
+        assert err is not None and "expects 'INT32'" in err.message()
+        client.async_stream_infer("eaglex", [prompt, tensor("max_tokens", np.array([[0]], np.int32), "INT32")])
+        _, err = results.get(timeout=30)
+        assert err is not None and "max_tokens must be >= 1" in err.message()
+        client.async_stream_infer("eaglex", [prompt, tensor("max_tokens", np.array([[4]], np.int32), "INT32")])
+        result, err = results.get(timeout=30)
+        assert err is None and result.as_numpy("output_ids").size == 4
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@needs_triton
+def test_cancelled_and_disconnected_clients_do_not_hurt_others(server, reference):
+    import tritonclient.grpc as grpcclient
+
+    run_vanilla, _ = reference
+    before = metrics(server).get('eaglex_requests_total{model="eaglex",outcome="cancelled"}', 0)
+    long_stream = {"text_input": "hello", "max_tokens": 500, "stream": True, "temperature": 1.0, "seed": 1}
+
+    # an HTTP client that reads the first chunk of a long stream and hangs up
+    body = json.dumps(long_stream).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
+        s.sendall(b"POST /v2/models/eaglex/generate_stream HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert b"data:" in s.recv(4096)
+    # a gRPC client that cancels its stream after the first response
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    first: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: first.put((result, error)))
+    inputs = []
+    for name, value, dtype in (("text_input", np.array([["draft"]], dtype=object), "BYTES"),
+                               ("max_tokens", np.array([[500]], np.int32), "INT32"),
+                               ("temperature", np.array([[1.0]], np.float32), "FP32"),
+                               ("stream", np.array([[True]]), "BOOL")):
+        inputs.append(grpcclient.InferInput(name, [1, 1], dtype))
+        inputs[-1].set_data_from_numpy(value)
+    client.async_stream_infer("eaglex", inputs)
+    assert first.get(timeout=30)[1] is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+    # meanwhile and afterwards, other requests are served correctly
+    status, out = post(server, "generate", {"text_input": "triton server", "max_tokens": 40})
+    assert status == 200 and ids_of(out["output_ids"]) == run_vanilla("triton server", 40)
+    deadline = time.monotonic() + 30
+    while metrics(server).get('eaglex_requests_total{model="eaglex",outcome="cancelled"}', 0) < before + 2:
+        assert time.monotonic() < deadline, "the cancelled requests were not stopped"
+        time.sleep(0.2)
+    assert server.ready()
