@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first: the pinned CPU build installs from local disk in seconds; anything else pulls GBs
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,triton]"
+	$(BIN)/pip install -q -e ".[test,triton,quant]"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install eaglex with its pinned dependencies
@@ -49,12 +49,12 @@ serve-check-engine:
 		"or pass ENGINE=DIR (an engine folder, or a folder with target/ and draft/)" >&2; exit 1; }
 
 serve: serve-check-engine $(STAMP)  ## start tritonserver on 127.0.0.1 serving $(ENGINE); returns once it is ready
-	@$(BIN)/python -m eaglex.deploy.triton.server check --pid-file $(TRITON_DIR)/server.pid
+	@$(BIN)/python -m eaglex.engines.triton.server check --pid-file $(TRITON_DIR)/server.pid
 	$(BIN)/eaglex triton --engine $(ENGINE) --out $(TRITON_DIR)/model_repository --name $(TRITON_MODEL) \
 		--instances $(TRITON_INSTANCES) --force
-	$(BIN)/python -m eaglex.deploy.triton.server start --repo $(TRITON_DIR)/model_repository \
+	$(BIN)/python -m eaglex.engines.triton.server start --repo $(TRITON_DIR)/model_repository \
 		--pid-file $(TRITON_DIR)/server.pid --log $(TRITON_DIR)/server.log --http-port $(TRITON_HTTP_PORT) \
 		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
 
 serve-stop:      ## stop the tritonserver that `make serve` started
-	$(BIN)/python -m eaglex.deploy.triton.server stop --pid-file $(TRITON_DIR)/server.pid
+	$(BIN)/python -m eaglex.engines.triton.server stop --pid-file $(TRITON_DIR)/server.pid

@@ -406,12 +406,12 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_triton(args) -> int:
-    from eaglex.deploy.triton.repository import write_repository
+    from eaglex.engines.triton.repository import write_repository
 
     model = write_repository(args.engine, args.out, args.name, args.instances, args.max_queue_size, args.threads,
                              "vanilla" if args.vanilla else "default", args.copy, args.force)
     print(f"wrote {model} (engine {args.engine.resolve()}, {args.instances} instance(s)); serve it with\n"
-          f"  python -m eaglex.deploy.triton.server start --repo {args.out} --pid-file triton.pid")
+          f"  python -m eaglex.engines.triton.server start --repo {args.out} --pid-file triton.pid")
     return 0
 
 

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from eaglex.cli import main
-from eaglex.deploy.triton import server as triton_server
-from eaglex.deploy.triton.repository import write_repository
-from eaglex.deploy.triton.request import Limits, RequestError, parse
-from eaglex.deploy.triton.textstream import TextStream
+from eaglex.engines.triton import server as triton_server
+from eaglex.engines.triton.repository import write_repository
+from eaglex.engines.triton.request import Limits, RequestError, parse
+from eaglex.engines.triton.textstream import TextStream
 from eaglex.models.errors import ModelError
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;()"      # 47 characters + the EOS token = the 48 ids
@@ -149,7 +149,7 @@ def test_write_repository(tmp_path, models):
 
 
 def test_layouts(tmp_path, models):
-    from eaglex.deploy.triton.loader import layout
+    from eaglex.engines.triton.loader import layout
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "manifest.json").write_text("{}")
     assert layout(tmp_path / "engine") == "engine" and layout(models["llama"]) == "hf"

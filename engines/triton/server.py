@@ -11,8 +11,8 @@ What the bundled server needs (shared/reference/env.md, Triton section), all don
 Every address is loopback. The server runs in its own session (process group, stubs included): stopping it
 signals the server, waits for its exit, then clears anything left in the group, so nothing is left behind.
 
-    python -m eaglex.deploy.triton.server start --repo build/triton/model_repository --pid-file build/triton/server.pid
-    python -m eaglex.deploy.triton.server stop --pid-file build/triton/server.pid
+    python -m eaglex.engines.triton.server start --repo build/triton/model_repository --pid-file build/triton/server.pid
+    python -m eaglex.engines.triton.server stop --pid-file build/triton/server.pid
 """
 from __future__ import annotations
 
@@ -307,7 +307,7 @@ def _stop(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eaglex.deploy.triton.server",
+    parser = argparse.ArgumentParser(prog="python -m eaglex.engines.triton.server",
                                      description="start/stop the bundled tritonserver on 127.0.0.1")
     sub = parser.add_subparsers(dest="action", required=True)
     s = sub.add_parser("start", help="start in the background and wait until ready")

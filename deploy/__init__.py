@@ -1,1 +1,0 @@
-"""Deployment targets for eaglex engines (Triton Inference Server today; see docs/triton.md)."""
