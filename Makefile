@@ -27,6 +27,16 @@ test: $(STAMP)   ## run the test suite CI runs (slow extras skipped)
 test-all: $(STAMP)  ## run every test, slow ones included
 	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
+engine: $(STAMP) ## build + check the engine of MODEL (default tiny) with BACKEND, print a demo (FORCE=1 rebuilds)
+	$(BIN)/eaglex engine --model $(MODEL) --backend $(BACKEND) $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) \
+		$(if $(DRAFT_DIR),--draft-dir $(DRAFT_DIR)) $(if $(FORCE),--force)
+
+BENCH_OUT ?= build/bench.json
+bench: $(STAMP)  ## side-by-side speed table + JSON ($(BENCH_OUT)) on the embedded default; needs `make engine`
+	@test -d engines/tiny || $(MAKE) engine
+	$(BIN)/eaglex bench --target models/tiny/target --draft models/tiny/eagle3 --engine engines/tiny \
+		--draft-lm models/tiny/draft_lm --prompts models/tiny/heldout.jsonl --out $(BENCH_OUT)
+
 clean:           ## remove build outputs (keeps .venv)
 	rm -rf build .pytest_cache
 

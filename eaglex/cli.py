@@ -54,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--prompts", type=Path, required=True)
     chk.add_argument("--samples", type=int, default=300, help="sampling check: generations per prompt")
 
+    eng = sub.add_parser("engine", help="what `make engine` runs: build a preset's engine, check it, print a demo")
+    eng.add_argument("--model", default="tiny", help="preset name (tiny, llama3-8b, llama3-70b, ...)")
+    eng.add_argument("--model-dir", type=Path, help="local folder of the target (else HF cache, else download)")
+    eng.add_argument("--draft-dir", type=Path, help="local folder of the EAGLE head (else HF cache, else download)")
+    eng.add_argument("--backend", choices=("onnxruntime", "torch"), help="default: the preset's")
+    eng.add_argument("--out", type=Path, help="engine folder (default: engines/MODEL)")
+    eng.add_argument("--force", action="store_true", help="rebuild even if the engine exists")
+    eng.add_argument("--max-new-tokens", type=int, default=48)
+
     ben = sub.add_parser("bench", help="side-by-side speed table + JSON: vanilla vs speculative per backend, peers")
     ben.add_argument("--target", type=Path, help="HF target folder (torch backend rows and transformers peers)")
     ben.add_argument("--draft", type=Path, help="EAGLE head folder for the torch backend rows")
@@ -106,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--eval-samples", type=int, default=8, help="held-out windows for the quality report")
     cal.add_argument("--batch-size", type=int, default=4)
     cal.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    cal.add_argument("--device", default="auto", help='"auto" (a CUDA GPU when present, else CPU), "cpu", "cuda:N"')
     cal.add_argument("--draft", type=Path, help="EAGLE head folder (with --quant-draft)")
     cal.add_argument("--quant-draft", action="store_true", help="also quantize the EAGLE head (default: float)")
     cal.add_argument("--draft-out", type=Path, help="FP8 head folder (default: OUT-draft)")
@@ -361,6 +371,65 @@ def cmd_bench(args) -> int:
     return 0 if all(r["identical_to_vanilla"] for r in rows) else 1
 
 
+def cmd_engine(args) -> int:
+    """Build (or reuse) the preset's engine, run the equivalence check, then a side-by-side demo."""
+    from eaglex.engines.manifest import read_manifest
+    from eaglex.prompts import BUILTIN_PROMPTS, encode, load_tokenizer
+    from eaglex.presets import get_preset, preset_folders
+    from eaglex.runtime.equivalence import check_greedy
+    from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+    from eaglex.runtime.types import TreeConfig
+
+    preset = get_preset(args.model)
+    backend_name = args.backend or preset.backend
+    if backend_name not in ("onnxruntime", "torch"):
+        raise ModelError(f"MODEL={preset.name} defaults to the {backend_name} backend ({preset.hardware}); "
+                         f"build it with `eaglex build --backend {backend_name}` on such a machine, or pass "
+                         "BACKEND=onnxruntime")
+    target_dir, draft_dir = preset_folders(preset, args.model_dir, args.draft_dir)
+    out = args.out or Path("engines") / preset.name
+    if backend_name == "onnxruntime":
+        from eaglex.engines.build import build_engine, summary
+        from eaglex.runtime.ort_backend import OrtBackend
+        fresh = args.force or not (out / "manifest.json").is_file()
+        if not fresh:
+            try:
+                read_manifest(out)
+            except ModelError:
+                fresh = True
+        if fresh:
+            print(summary(build_engine(target_dir, draft_dir, out, "onnxruntime", "float32", True), out))
+        else:
+            print(f"reusing {out} (pass --force or `make engine FORCE=1` to rebuild)")
+        backend = OrtBackend(out)
+    else:
+        from eaglex.runtime.torch_backend import TorchBackend
+        backend = TorchBackend(target_dir, draft_dir)
+    tok = load_tokenizer(target_dir)
+    texts = BUILTIN_PROMPTS
+    prompts = [encode({"prompt": t}, tok, False, "builtin prompt") for t in texts] if tok else \
+        [[(7 * i + j) % backend.spec.vocab_size for j in range(1, 9)] for i in range(len(texts))]
+    tree = TreeConfig(**(read_manifest(out).get("default_tree") or {})) if backend_name == "onnxruntime" and \
+        read_manifest(out).get("default_tree") else TreeConfig("dynamic", 8, 4, 3)
+    rows = check_greedy(backend, tree, prompts, args.max_new_tokens)
+    bad = [r.index for r in rows if not r.identical]
+    taus = [r.tau for r in rows if r.speculative.cycles]
+    print(f"check: {len(rows) - len(bad)}/{len(rows)} prompts identical to vanilla on {backend_name} "
+          f"(tree {tree.kind} {tree.total_tokens}/{tree.depth}/{tree.top_k}), mean tau {sum(taus) / len(taus):.2f}")
+    if bad:
+        print(f"eaglex: error: speculative output differs from vanilla on prompts {bad}", file=sys.stderr)
+        return 1
+    demo = prompts[0]
+    v = VanillaGenerator(backend).generate(demo, args.max_new_tokens)
+    s = SpeculativeGenerator(backend, tree).generate(demo, args.max_new_tokens)
+    text = tok.decode(demo + s.output_ids) if tok else " ".join(map(str, demo + s.output_ids))
+    print("demo " + "-" * 60 + "\n" + text + "\n" + "-" * 65)
+    print(f"vanilla {len(v.output_ids) / v.seconds:.1f} tokens/s | eaglex {len(s.output_ids) / s.seconds:.1f} "
+          f"tokens/s, tau {s.tau:.2f} | speedup {v.seconds / s.seconds:.2f}x | identical: "
+          f"{'yes' if s.output_ids == v.output_ids else 'NO'}")
+    return 0
+
+
 def cmd_build(args) -> int:
     from eaglex.engines.build import build_engine, summary
 
@@ -399,7 +468,7 @@ def cmd_calibrate(args) -> int:
 
     cfg = CalibrateConfig(quant=args.quant, kv_cache=args.kv_cache, data=args.data, samples=args.samples,
                           seq_len=args.seq_len, eval_samples=args.eval_samples, batch_size=args.batch_size,
-                          dtype=args.dtype, quant_draft=args.quant_draft)
+                          dtype=args.dtype, quant_draft=args.quant_draft, device=args.device)
     report = calibrate(args.target, args.out, cfg, args.draft, args.draft_out, args.force)
     print(format_report(report))
     return 0
@@ -428,7 +497,7 @@ def cmd_train_draft(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "check": cmd_check, "build": cmd_build, "bench": cmd_bench,
+        return {"generate": cmd_generate, "check": cmd_check, "build": cmd_build, "bench": cmd_bench, "engine": cmd_engine,
                 "triton": cmd_triton, "train-draft": cmd_train_draft,
                 "calibrate": cmd_calibrate}[args.command](args)
     except ModelError as e:

@@ -8,6 +8,20 @@ from pathlib import Path
 from eaglex.models.errors import ModelError
 
 
+# Demo and check prompts for presets without a prompt file of their own: code openings, which the embedded default
+# (trained on Python sources) continues sensibly and which every chat model can complete.
+BUILTIN_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "    for i, item in enumerate(items):\n",
+    "def parse_args():\n    parser = argparse.ArgumentParser(\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "    def __repr__(self):\n        return ",
+)
+
+
 def load_tokenizer(folder: str | Path | None):
     """The folder's Hugging Face tokenizer, or None when it has none."""
     if folder is None:

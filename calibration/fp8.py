@@ -1,0 +1,373 @@
+"""`eaglex calibrate`: FP8 post-training quantization of a target with NVIDIA ModelOpt, on CPU or GPU.
+
+    target folder --(ModelOpt mtq.quantize, FP8_DEFAULT_CFG [+ FP8_KV_CFG], max calibration over real text)-->
+    ModelOpt's unified Hugging Face checkpoint (export_hf_checkpoint) + tokenizer + eaglex_calibration.json
+
+The checkpoint is what TensorRT-LLM's PyTorch backend, vLLM and SGLang load as a pre-quantized FP8 model, and what
+`eaglex build --quant fp8 --calibrated DIR` reads the scales from (calibration/checkpoint.py). Facts this relies on
+(env.md §1, measured with ModelOpt 0.47 + transformers 5.14.1 on CPU):
+- `quant_cfg` is a *list* of {quantizer_name, cfg|enable} entries; FP8_KV_CFG is a fragment to append, never a
+  config of its own (alone, the weights fall back to int8 without amax and export fails).
+- On CPU the fake quant is plain torch (x*448/amax -> float8_e4m3fn -> *amax/448); per-tensor scales.
+- export_hf_checkpoint needs config.architectures and turns the model's weights into float8 in place, so it runs
+  last, after every evaluation (no second copy of the weights is ever made).
+
+The quality report compares the fake-quantized model with the unquantized one on held-out text: perplexity of both,
+top-1 agreement, mean KL(ref || quant) and the relative L2 error of the logits. Exact top-1 equality is not expected:
+FP8 rounding flips cascade to a few percent of logit error (env.md §1).
+
+The draft head stays float unless asked (`--quant-draft`): then the EAGLE head is quantized the same way, calibrated
+on the quantized target's features over the same windows, and written as an FP8 head folder next to the target.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eaglex.models.errors import ModelError
+
+from .data import TextWindows, load_windows
+
+QUANTS = ("fp8",)
+KV_CACHE = ("fp8",)
+REPORT = "eaglex_calibration.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# Reference logits of the evaluation windows are kept in float32 up to this many values, in float16 beyond.
+REF_FLOAT32_LIMIT = 64 * 1024 ** 2
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    quant: str = "fp8"
+    kv_cache: str | None = None      # "fp8": also calibrate the k/v cache scales (FP8_KV_CFG)
+    data: str = "builtin"            # "builtin" or a JSONL file
+    samples: int = 32                # calibration windows
+    seq_len: int = 256               # tokens per window
+    eval_samples: int = 8            # held-out windows for the quality report
+    batch_size: int = 4
+    dtype: str = "float32"           # dtype the target is loaded (and exported) in
+    quant_draft: bool = False        # also quantize the EAGLE head given as draft_dir
+    device: str = "auto"             # "auto": the first CUDA GPU when there is one, else the CPU
+
+
+def require_modelopt():
+    """(mtq, mte) or a one-line ModelError; ModelOpt is an optional dependency (`pip install eaglex[quant]`)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # version-compat and deprecation chatter at import
+            import modelopt.torch.export as mte
+            import modelopt.torch.quantization as mtq
+    except ImportError as e:
+        raise ModelError(f"NVIDIA ModelOpt is not installed ({e.name or e}): pip install 'eaglex[quant]' "
+                         "(nvidia-modelopt==0.47.0)") from None
+    return mtq, mte
+
+
+def modelopt_config(mtq, cfg: CalibrateConfig) -> dict:
+    """FP8_DEFAULT_CFG, plus the FP8_KV_CFG entries when asked (list concatenation: ModelOpt >= 0.4x)."""
+    out = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    if cfg.kv_cache == "fp8":
+        out["quant_cfg"] = list(out["quant_cfg"]) + copy.deepcopy(list(mtq.FP8_KV_CFG["quant_cfg"]))
+    return out
+
+
+def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), draft_dir=None, draft_out=None,
+              force: bool = False, progress: bool = True) -> dict:
+    """Quantize, evaluate and export; returns the report (also written to OUT/eaglex_calibration.json)."""
+    from eaglex.models.target import DTYPES, load_target
+    from eaglex.prompts import load_tokenizer
+
+    t0 = time.perf_counter()
+    if cfg.quant not in QUANTS:
+        raise ModelError(f"--quant {cfg.quant!r}: eaglex calibrates {', '.join(QUANTS)}")
+    if cfg.kv_cache not in (None,) + KV_CACHE:
+        raise ModelError(f"--kv-cache {cfg.kv_cache!r}: choose {', '.join(KV_CACHE)}")
+    if cfg.dtype not in DTYPES:
+        raise ModelError(f"--dtype {cfg.dtype!r}: choose {', '.join(DTYPES)}")
+    if cfg.quant_draft and draft_dir is None:
+        raise ModelError("--quant-draft needs the EAGLE head: --draft DIR")
+    target_dir, out = Path(target_dir), Path(out_dir)
+    draft_out = Path(draft_out) if draft_out is not None else out.with_name(out.name + "-draft")
+    for folder in [out] + ([draft_out] if cfg.quant_draft else []):
+        _check_out(folder, force)
+    mtq, mte = require_modelopt()
+
+    target = load_target(target_dir, DTYPES[cfg.dtype])
+    spec = target.spec
+    tokenizer = load_tokenizer(target_dir)
+    windows = load_windows(cfg.data, tokenizer, spec.vocab_size, spec.eos_ids[0] if spec.eos_ids else None,
+                           cfg.samples, cfg.seq_len, cfg.eval_samples)
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    model = target.hf.to(device)
+    ref = _logits(model, windows.evaluation, progress, "reference")
+
+    batches = _batches(windows.calibration, cfg.batch_size)
+
+    def forward_loop(m):
+        for batch in tqdm(batches, desc="calibrate", unit="batch", disable=not progress, file=sys.stderr):
+            m(input_ids=batch.to(device))
+
+    with torch.no_grad(), _stdout_to_stderr(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, modelopt_config(mtq, cfg), forward_loop)
+    quality = _quality(model, windows.evaluation, ref, progress)
+    del ref
+    quantizers = quantizer_summary(model)
+
+    draft_report = None
+    if cfg.quant_draft:
+        draft_report = _quantize_draft(mtq, target, draft_dir, draft_out, windows, cfg, progress, force)
+
+    report = {
+        "target": str(target_dir.resolve()), "out": str(out.resolve()), "config": asdict(cfg),
+        "data": {"source": windows.source, "calibration_windows": len(windows.calibration),
+                 "calibration_tokens": windows.calibration_tokens, "evaluation_windows": len(windows.evaluation),
+                 "evaluation_tokens": windows.evaluation_tokens},
+        "quality": quality, "quantizers": quantizers, "draft": draft_report,
+        "tools": _versions(),
+    }
+    tmp = out.parent / f".{out.name}.calibrating-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if not getattr(model.config, "architectures", None):       # export reads it (env.md §1)
+            model.config.architectures = [spec.arch]
+        with torch.no_grad(), _stdout_to_stderr(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mte.export_hf_checkpoint(model, export_dir=str(tmp))   # mutates the model: its last use
+        for name in TOKENIZER_FILES:
+            if (target_dir / name).is_file():
+                shutil.copy2(target_dir / name, tmp / name)
+        report["seconds"] = round(time.perf_counter() - t0, 2)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+def _batches(windows, batch_size: int) -> list[torch.Tensor]:
+    """[B, T] int64 batches of equal-length windows, in order."""
+    out, run = [], []
+    for w in windows:
+        if run and (len(run) == batch_size or len(run[0]) != len(w)):
+            out.append(torch.tensor(run))
+            run = []
+        run.append(list(w))
+    if run:
+        out.append(torch.tensor(run))
+    return out
+
+
+@torch.no_grad()
+def _logits(model, windows, progress: bool, desc: str) -> list[torch.Tensor]:
+    total = sum(len(w) for w in windows) * model.config.vocab_size
+    keep = torch.float32 if total <= REF_FLOAT32_LIMIT else torch.float16
+    out = []
+    for w in tqdm(windows, desc=desc, unit="window", disable=not progress, file=sys.stderr):
+        out.append(model(input_ids=torch.tensor([w], device=model.device)).logits[0].float().to("cpu", keep))
+    return out
+
+
+@torch.no_grad()
+def _quality(model, windows, ref: list[torch.Tensor], progress: bool) -> dict:
+    """Perplexity of both models, top-1 agreement, KL(ref||quant) and relative logit error over the windows."""
+    nll = {"reference": 0.0, "quantized": 0.0}
+    agree = positions = 0
+    kl = diff2 = ref2 = 0.0
+    for w, r in tqdm(list(zip(windows, ref)), desc="evaluate", unit="window", disable=not progress,
+                     file=sys.stderr):
+        ids = torch.tensor(w)
+        q = model(input_ids=ids[None].to(model.device)).logits[0].float().cpu()
+        r = r.float()
+        for name, lg in (("reference", r), ("quantized", q)):
+            nll[name] += torch.nn.functional.cross_entropy(lg[:-1], ids[1:], reduction="sum").item()
+        agree += int((q.argmax(-1) == r.argmax(-1)).sum())
+        positions += len(w)
+        lr, lq = torch.log_softmax(r, -1), torch.log_softmax(q, -1)
+        kl += float((lr.exp() * (lr - lq)).sum())
+        diff2 += float(((q - r) ** 2).sum())
+        ref2 += float((r ** 2).sum())
+    scored = sum(len(w) - 1 for w in windows)
+    ppl = {k: math.exp(v / max(scored, 1)) for k, v in nll.items()}
+    return {"perplexity_reference": round(ppl["reference"], 4), "perplexity_quantized": round(ppl["quantized"], 4),
+            "perplexity_ratio": round(ppl["quantized"] / ppl["reference"], 5),
+            "top1_agreement": round(agree / positions, 5), "kl_mean": round(kl / positions, 6),
+            "logits_rel_error": round(math.sqrt(diff2 / max(ref2, 1e-30)), 5),
+            "positions": positions, "scored_tokens": scored}
+
+
+def quantizer_summary(model) -> dict:
+    """Enabled quantizers by kind, and the amax range of each kind."""
+    kinds: dict[str, list[float]] = {}
+    for name, mod in model.named_modules():
+        if not name.endswith("quantizer") or not getattr(mod, "is_enabled", False):
+            continue
+        amax = getattr(mod, "amax", None)
+        kind = name.rsplit(".", 1)[-1]
+        kinds.setdefault(kind, [])
+        if amax is not None:
+            kinds[kind].append(float(torch.as_tensor(amax).float().max()))
+    return {k: {"count": len(v), "amax_min": round(min(v), 6) if v else None,
+                "amax_max": round(max(v), 6) if v else None} for k, v in sorted(kinds.items())}
+
+
+# ---------------------------------------------------------------------------------------------------- draft
+
+def _quantize_draft(mtq, target, draft_dir, draft_out: Path, windows: TextWindows, cfg: CalibrateConfig,
+                    progress: bool, force: bool) -> dict:
+    """FP8 for the EAGLE head, calibrated on the (already quantized) target's features: the head sees at serving
+    time what the quantized target gives it. Written as an FP8 head folder (official tensor names)."""
+    from eaglex.models.eagle import load_draft
+    from eaglex.models.target import ConcatCache
+
+    device = target.embed_weight.device
+    head = load_draft(draft_dir, target).to(device)
+    target.set_features(head.spec.kind, head.spec.taps)
+    s = target.spec
+    dtype = target.embed_weight.dtype
+
+    def empty_cache(layers, kv_heads, head_dim):
+        return ConcatCache([(torch.zeros(1, kv_heads, 0, head_dim, dtype=dtype, device=device),) * 2
+                            for _ in range(layers)])
+
+    def forward_loop(h):
+        for w in tqdm(windows.calibration, desc="calibrate draft", unit="window", disable=not progress,
+                      file=sys.stderr):
+            ids = torch.tensor([w], device=device)
+            T = ids.shape[1]
+            mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+            pos = torch.arange(T, device=device)[None]
+            _, feats = target(ids, pos, mask, empty_cache(s.num_layers, s.num_kv_heads, s.head_dim))
+            d = head.spec
+            # draft position i reads the target's features at i and the token after it (runtime/drafter.py)
+            out = h(feats[:, :-1], ids[:, 1:], pos[:, :-1], mask[..., :-1, :-1],
+                    empty_cache(1, d.num_kv_heads, d.head_dim), project=True)
+            h.log_probs(out)
+
+    with torch.no_grad(), _stdout_to_stderr(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(head, copy.deepcopy(mtq.FP8_DEFAULT_CFG), forward_loop)
+    summary = quantizer_summary(head)
+    write_fp8_head(head, Path(draft_dir), draft_out, force)
+    return {"source": str(Path(draft_dir).resolve()), "out": str(draft_out.resolve()), "quantizers": summary}
+
+
+def write_fp8_head(head, src: Path, out: Path, force: bool) -> None:
+    """ModelOpt's per-tensor FP8 layout for the head's quantized Linears (weight float8_e4m3fn, weight_scale,
+    input_scale, all amax/448) and float tensors for the rest; config + hf_quant_config.json mark it FP8."""
+    from safetensors.torch import save_file
+
+    tensors, quantized, excluded = {}, [], []
+    modules = dict(head.named_modules())
+    for name, mod in modules.items():
+        wq, iq = getattr(mod, "weight_quantizer", None), getattr(mod, "input_quantizer", None)
+        if wq is None or not isinstance(getattr(mod, "weight", None), torch.Tensor):
+            continue
+        if not (wq.is_enabled and iq is not None and iq.is_enabled and iq.amax is not None):
+            excluded.append(name)
+            continue
+        w_amax, x_amax = float(wq.amax.float().max()), float(iq.amax.float().max())
+        w_scale, x_scale = w_amax / 448.0, x_amax / 448.0
+        w = mod.weight.detach().float().cpu()
+        tensors[f"{name}.weight"] = (w / w_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[f"{name}.weight_scale"] = torch.tensor(w_scale, dtype=torch.float32)
+        tensors[f"{name}.input_scale"] = torch.tensor(x_scale, dtype=torch.float32)
+        if getattr(mod, "bias", None) is not None:
+            tensors[f"{name}.bias"] = mod.bias.detach().cpu().clone()
+        quantized.append(name)
+    for key, value in head.state_dict().items():
+        if key.split(".")[-1] in ("_amax", "_pre_quant_scale") or "quantizer" in key:
+            continue
+        if key.rsplit(".", 1)[0] in quantized and key.endswith((".weight", ".bias")):
+            continue
+        tensors.setdefault(key, value.detach().cpu().clone().contiguous())
+    cfg = json.loads((src / "config.json").read_text())
+    qc = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded)}
+    cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
+    tmp = out.parent / f".{out.name}.writing-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "eaglex", "version": _versions().get("eaglex")}, "quantization": qc}, indent=2)
+            + "\n")
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------- misc
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise ModelError(f"{out} already exists: pass --force to replace it")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (
+            (out / REPORT).is_file() or (out / "hf_quant_config.json").is_file()))):
+        raise ModelError(f"{out} exists and is not a calibrated checkpoint: refusing to replace it, even with --force")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """ModelOpt prints progress ("Inserted N quantizers") with print(); stdout is kept for eaglex's own result."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _versions() -> dict:
+    from importlib import metadata
+    out = {}
+    for name in ("eaglex", "nvidia-modelopt", "torch", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def format_report(report: dict) -> str:
+    """The lines `eaglex calibrate` prints."""
+    q, d = report["quality"], report["data"]
+    kinds = ", ".join(f"{v['count']} {k}" for k, v in report["quantizers"].items())
+    lines = [f"calibrated {report['target']} -> {report['out']} ({report['config']['quant']}"
+             f"{', fp8 KV cache' if report['config']['kv_cache'] else ''}; {kinds})",
+             f"  data: {d['source']}; {d['calibration_windows']} windows / {d['calibration_tokens']} tokens "
+             f"calibration, {d['evaluation_windows']} / {d['evaluation_tokens']} held out",
+             f"  perplexity {q['perplexity_reference']:.3f} -> {q['perplexity_quantized']:.3f} "
+             f"(x{q['perplexity_ratio']:.4f}), top-1 agreement {q['top1_agreement']:.2%}, "
+             f"KL {q['kl_mean']:.2e}, logits rel. error {q['logits_rel_error']:.2e}"]
+    if report.get("draft"):
+        lines.append(f"  draft: {report['draft']['out']} (FP8)")
+    if "seconds" in report:
+        lines.append(f"  done in {report['seconds']:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""`eaglex build --quant fp8|int8`: rewrite a built float engine folder into a quantized one.
+
+The float engine is built first (engines/build.py, with its own parity check against torch); this module then
+rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py:
+
+- fp8:  FP8 Q/DQ from the scales of a calibrated ModelOpt checkpoint (`eaglex calibrate`). The KV cache stays in
+        the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
+        attention; the TensorRT-LLM bundle is where they are used).
+- int8: weight-only MatMulNBits (8 bits, blocks of 32, accuracy level 4); needs no calibration.
+
+The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
+
+Atomic like the build: the new engine is assembled in a hidden sibling folder (unchanged files hard-linked), checked,
+and swapped in by renames; the old folder is deleted last. The manifest records the method, the scales' source and
+hashes, sizes before/after, and the quantized graph's error against the float graph on the same inputs.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from eaglex.models.errors import ModelError
+
+from .manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
+
+QUANT_METHODS = ("fp8", "int8")
+FORMATS = {
+    "fp8": "ONNX QuantizeLinear/DequantizeLinear float8e4m3fn (opset 23): FP8 weights (DQ), static per-tensor "
+           "activation Q/DQ; lm_head and embeddings float",
+    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (weight-only)",
+}
+# Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
+EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": ()}
+# A ModelOpt-exported EAGLE-3 draft names its layer layers.0.*, the engine's graph midlayer.*.
+DRAFT_PREFIXES = {"layers.0.": "midlayer."}
+
+
+def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool = False, calibrated_draft_dir=None,
+                    progress: bool = True) -> dict:
+    """Quantize the engine folder `engine_dir` in place; returns its new manifest. Bad input: one-line ModelError."""
+    t0 = time.perf_counter()
+    engine = Path(engine_dir)
+    if quant not in QUANT_METHODS:
+        raise ModelError(f"--quant {quant!r} is not available for ONNX Runtime engines; choose "
+                         f"{' or '.join(QUANT_METHODS)}")
+    m = read_manifest(engine)
+    if m.get("backend") != "onnxruntime":
+        raise ModelError(f"engine {engine} was built for {m.get('backend')}; only onnxruntime engines are "
+                         "quantized here")
+    if m.get("quant"):
+        raise ModelError(f"engine {engine} is already quantized ({m['quant']['method']}): rebuild the float engine "
+                         "with `eaglex build --force` first")
+    if draft and not m.get("draft"):
+        raise ModelError(f"engine {engine} has no draft head to quantize")
+    verify_files(engine, m)                          # never quantize a corrupt engine
+    graphs = ["target"] + ([g for g in ("draft_fc", "draft") if g in m["graphs"]] if draft else [])
+    scales, source = _scales(quant, calibrated_dir, calibrated_draft_dir, draft)
+
+    tmp = engine.parent / f".{engine.name}.quant-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        rewritten = {f for g in graphs for f in m["graphs"][g]["files"]}
+        for f in sorted(engine.iterdir()):
+            if f.is_file() and f.name not in rewritten and f.name != MANIFEST:
+                _link(f, tmp / f.name)
+        reports = {}
+        for g in tqdm(graphs, desc=f"quantize {quant}", unit="graph", disable=not progress, file=sys.stderr):
+            reports[g] = _quantize_graph(quant, engine / m["graphs"][g]["file"], tmp / m["graphs"][g]["file"],
+                                         scales.get("draft" if g != "target" else "target"))
+        parity = target_parity(engine, tmp, m)
+        manifest = _updated_manifest(m, tmp, quant, reports, source, parity, draft)
+        manifest["quant"]["seconds"] = round(time.perf_counter() - t0, 2)
+        write_manifest(tmp, manifest)
+        _swap(tmp, engine)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _scales(quant, calibrated_dir, calibrated_draft_dir, draft) -> tuple[dict, dict]:
+    """{"target": scales, "draft": scales} for fp8 (empty for int8) and the manifest's record of their source."""
+    if quant != "fp8":
+        if calibrated_dir is not None:
+            raise ModelError("--calibrated is for --quant fp8; int8 weight-only quantization needs no calibration")
+        return {}, {"calibration": None}
+    from eaglex.calibration.checkpoint import quant_config, read_fp8_scales
+
+    if calibrated_dir is None:
+        raise ModelError("--quant fp8 needs the activation scales of a calibration: run `eaglex calibrate --target "
+                         "DIR --out CAL` first and pass --calibrated CAL")
+    out = {"target": read_fp8_scales(calibrated_dir)}
+    source = {"calibration": _source(calibrated_dir, quant_config(calibrated_dir))}
+    if draft:
+        if calibrated_draft_dir is None:
+            raise ModelError("an FP8 draft needs its own calibrated scales: run `eaglex calibrate ... --draft DIR "
+                             "--quant-draft` and pass --calibrated-draft")
+        out["draft"] = read_fp8_scales(calibrated_draft_dir, DRAFT_PREFIXES)
+        source["draft_calibration"] = _source(calibrated_draft_dir, quant_config(calibrated_draft_dir))
+    return out, source
+
+
+def _source(folder, qc: dict) -> dict:
+    folder = Path(folder)
+    report = folder / "eaglex_calibration.json"
+    return {"path": str(folder.resolve()), "quant_algo": qc.get("quant_algo"),
+            "kv_cache_quant_algo": qc.get("kv_cache_quant_algo"),
+            "kv_cache_scales_applied": False,           # ORT engines keep the KV cache in the engine dtype
+            "sha256": {f.name: sha256_file(f) for f in sorted(folder.glob("*.safetensors"))},
+            "report": str(report) if report.is_file() else None}
+
+
+def _quantize_graph(quant: str, src: Path, dst: Path, scales):
+    from eaglex.export.quantize import fp8_qdq, int8_weight_only
+    if quant == "fp8":
+        return fp8_qdq(src, dst, scales, exclude=EXCLUDE["fp8"])
+    return int8_weight_only(src, dst, exclude=EXCLUDE["int8"])
+
+
+def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: dict, parity: dict,
+                      draft: bool) -> dict:
+    import onnx
+    from collections import Counter
+
+    out = dict(m)
+    out["graphs"] = {k: dict(v) for k, v in m["graphs"].items()}
+    for g, r in reports.items():
+        model = onnx.load(str(folder / out["graphs"][g]["file"]), load_external_data=False)
+        ops = Counter(n.op_type for n in model.graph.node)
+        out["graphs"][g].update(files=list(r.files), nodes=sum(ops.values()), ops=dict(sorted(ops.items())))
+    out["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+                    for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST}
+    out["dtypes"] = dict(m["dtypes"], weights={"fp8": "float8e4m3fn", "int8": "int8"}[quant])
+    out["quant"] = {"method": quant, "format": FORMATS[quant], "draft_quantized": draft,
+                    "graphs": {g: r.to_json() for g, r in reports.items()},
+                    "bytes_before": sum(r.bytes_before for r in reports.values()),
+                    "bytes_after": sum(r.bytes_after for r in reports.values()),
+                    "parity": parity, **source}
+    return out
+
+
+def target_parity(float_dir: Path, quant_dir: Path, m: dict, seed: int = 0) -> dict:
+    """The quantized target graph against the float one on the same inputs: a 24-token prefill, then a 6-token
+    step over the float graph's own KV cache. Relative L2 error of the logits and top-1 agreement over all rows."""
+    import onnxruntime as ort
+
+    from eaglex.runtime.ort_session import use_global_pool
+
+    spec = m["target"]["spec"]
+    file = m["graphs"]["target"]["file"]
+    use_global_pool()              # ORT refuses per-session threads once the process-wide pool exists
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False
+    so.log_severity_level = 3
+    ref = ort.InferenceSession(str(float_dir / file), so, providers=["CPUExecutionProvider"])
+    new = ort.InferenceSession(str(quant_dir / file), so, providers=["CPUExecutionProvider"])
+    dtype = {"float32": np.float32, "float16": np.float16}[m["dtype"]]
+    rng = np.random.default_rng(seed)
+    L, kv, D = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
+    ids = rng.integers(0, spec["vocab_size"], (1, 30), dtype=np.int64)
+    outs = [o.name for o in ref.get_outputs()]
+
+    def feeds(tokens, past, P):
+        N = tokens.shape[1]
+        mask = np.ones((1, 1, N, P + N), dtype=bool)
+        mask[..., P:] = np.tril(np.ones((N, N), dtype=bool))
+        f = {"input_ids": tokens, "position_ids": np.arange(P, P + N, dtype=np.int64)[None], "attn_mask": mask,
+             "logits_rows": np.arange(N, dtype=np.int64)}
+        for i in range(L):
+            f[f"past_key_{i}"], f[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
+        return f
+
+    empty = [np.zeros((1, kv, 0, D), dtype=dtype)] * (2 * L)
+    first = feeds(ids[:, :24], empty, 0)
+    r1 = dict(zip(outs, ref.run(None, first)))
+    q1 = new.run(["logits"], first)[0]
+    past = [r1[f"present_{kv_}_{i}"] for i in range(L) for kv_ in ("key", "value")]
+    second = feeds(ids[:, 24:], past, 24)
+    r2, q2 = ref.run(["logits"], second)[0], new.run(["logits"], second)[0]
+    a = np.concatenate([r1["logits"][0], r2[0]]).astype(np.float64)
+    b = np.concatenate([q1[0], q2[0]]).astype(np.float64)
+    return {"rows": int(a.shape[0]), "logits_rel_error": round(float(np.linalg.norm(b - a) / np.linalg.norm(a)), 5),
+            "top1_agreement": round(float((a.argmax(-1) == b.argmax(-1)).mean()), 4)}
+
+
+def _link(src: Path, dst: Path) -> None:
+    """Hard link (no copy of large weights) where the file system allows, else copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _swap(tmp: Path, out: Path) -> None:
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

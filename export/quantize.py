@@ -1,0 +1,271 @@
+"""Post-processing of exported float graphs: FP8 Q/DQ from calibrated scales, and int8 weight-only MatMulNBits.
+
+Both passes rewrite an ONNX file produced by `export/onnx_export.py`, where every nn.Linear became
+`MatMul(x, W)` over an initializer W stored [in, out] (export/layout.py) and named after the torch module path:
+
+    target.onnx    target.inner.layers.3.mlp.up_proj.weight_t   ->  HF module  model.layers.3.mlp.up_proj
+                   target.hf.lm_head.weight_t                   ->             lm_head
+    draft.onnx     head.midlayer.self_attn.q_proj.weight_t      ->  draft      midlayer.self_attn.q_proj
+    draft_fc.onnx  fc.weight_t                                  ->             fc
+
+`module_name` does that mapping, so scales calibrated on the Hugging Face model (ModelOpt's unified checkpoint:
+`<module>.weight` float8_e4m3fn [out, in], `<module>.weight_scale`, `<module>.input_scale`, both amax/448) land on
+the right MatMul.
+
+fp8_qdq (why this form): standard ONNX `QuantizeLinear`/`DequantizeLinear` in float8e4m3fn (opset >= 19), weights
+stored as FP8 initializers behind a DequantizeLinear (the "DQ-only weight" form ModelOpt's own ONNX exporter emits),
+activations through a Q/DQ pair with the calibrated static per-tensor scale. TensorRT and ONNX Runtime's TensorRT EP
+fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM and dequantizes the weight on every run, so on CPU
+the graph is for validation and storage (onnx.md §4: 40-50x slower than fp32 for one token).
+
+int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=4
+(int8 activations inside the kernel): the fast quantized path of ONNX Runtime on CPU (onnx.md §4: 0.04 ms against
+0.12 ms fp32 for 1x2048x2048; at the default accuracy level it is slower than fp32).
+
+Both keep external data right: the input's `.onnx.data` is read with the graph, and the output goes to
+`<out>.data` when its weights exceed the threshold the exporter uses, else into the file itself. Graph metadata
+(the engine id the runtime checks) is kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from eaglex.models.errors import ModelError
+
+from .onnx_export import EXTERNAL_DATA_ABOVE
+
+FP8_MAX = 448.0                      # largest finite float8e4m3fn
+INT8_BLOCK = 32
+INT8_ACCURACY_LEVEL = 4
+# Relative L2 distance between a checkpoint's dequantized FP8 weight and the graph's float weight above which the
+# checkpoint is taken to come from another model (FP8 rounding alone gives about 2-3 %).
+FP8_WEIGHT_MISMATCH = 0.1
+_PREFIXES = (("target.inner.", "model."), ("target.hf.", ""), ("head.", ""))
+
+
+@dataclass(frozen=True)
+class Fp8Scales:
+    """Calibrated FP8 scales of one Linear (both amax / 448), plus ModelOpt's FP8 weight bits when known."""
+    weight_scale: float
+    input_scale: float
+    weight_fp8: np.ndarray | None = None     # uint8 bit patterns of float8_e4m3fn, [out, in] as in the checkpoint
+
+
+@dataclass(frozen=True)
+class QuantReport:
+    """What a pass changed: quantized module names, MatMuls with a constant weight left alone, sizes."""
+    method: str
+    quantized: tuple[str, ...]
+    skipped: tuple[str, ...]
+    bytes_before: int
+    bytes_after: int
+    files: tuple[str, ...]                   # names of the written files (graph, external data)
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "matmuls": len(self.quantized), "quantized": list(self.quantized),
+                "skipped": list(self.skipped), "bytes_before": self.bytes_before, "bytes_after": self.bytes_after}
+
+
+def module_name(initializer: str) -> str | None:
+    """HF / draft-checkpoint module name of a MatMul weight initializer, or None for a name eaglex did not export."""
+    if not initializer.endswith(".weight_t"):
+        return None
+    name = initializer[: -len(".weight_t")]
+    for prefix, repl in _PREFIXES:
+        if name.startswith(prefix):
+            return repl + name[len(prefix):]
+    return name
+
+
+def _files_of(path: Path) -> list[Path]:
+    data = path.with_name(path.name + ".data")
+    return [path] + ([data] if data.is_file() else [])
+
+
+def _load(path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load(str(path))                 # reads `<name>.onnx.data` next to it, if the graph uses it
+    except Exception as e:  # noqa: BLE001 - protobuf/IO errors: a missing or corrupt file, said in one line
+        raise ModelError(f"cannot read ONNX graph {path}: {str(e).splitlines()[0][:200]}") from None
+
+
+def _save(model: onnx.ModelProto, out_path: Path) -> list[Path]:
+    """Save with external data above the exporter's threshold; returns the files written."""
+    out_path = Path(out_path)
+    data = out_path.with_name(out_path.name + ".data")
+    data.unlink(missing_ok=True)                    # onnx appends to an existing data file
+    weights = sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
+    external = weights > EXTERNAL_DATA_ABOVE
+    onnx.save_model(model, str(out_path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    onnx.checker.check_model(str(out_path))         # by path: works above protobuf's 2 GiB as well
+    return [out_path] + ([data] if external else [])
+
+
+def _bytes(files) -> int:
+    return sum(Path(f).stat().st_size for f in files)
+
+
+def _weight_matmuls(graph: onnx.GraphProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
+    inits = {t.name: t for t in graph.initializer}
+    return [(n, inits[n.input[1]]) for n in graph.node
+            if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2]
+
+
+# ---------------------------------------------------------------------------------------------------------- FP8
+
+def _to_fp8_bits(w: np.ndarray, scale: float) -> np.ndarray:
+    """Saturating round-to-nearest-even cast of w / scale to float8_e4m3fn, as uint8 bit patterns (torch's cast:
+    numpy < 2 has no FP8 type)."""
+    import torch
+    t = torch.from_numpy(np.array(w, dtype=np.float32)) / scale         # a writable copy: ONNX arrays are read-only
+    return t.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def fp8_dequantize(bits: np.ndarray, scale: float) -> np.ndarray:
+    """float32 values of FP8 bit patterns times `scale`."""
+    import torch
+    return (torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float() * scale).numpy()
+
+
+def fp8_qdq(onnx_path, out_path, scales: dict[str, Fp8Scales], exclude: tuple[str, ...] = ()) -> QuantReport:
+    """Rewrite every MatMul whose weight maps to a module in `scales` (and not matching a regex in `exclude`) as
+    DQ(W_fp8) x DQ(Q(x)) with the calibrated per-tensor scales; other MatMuls keep their float weights."""
+    onnx_path, out_path = Path(onnx_path), Path(out_path)
+    before = _bytes(_files_of(onnx_path))
+    model = _load(onnx_path)
+    if max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0) < 19:
+        raise ModelError(f"{onnx_path.name}: FP8 QuantizeLinear/DequantizeLinear need opset >= 19")
+    g = model.graph
+    pairs = _weight_matmuls(g)
+    float_types = set()
+    zero = "eaglex_fp8_zero"              # FP8 zero point: makes Q emit float8e4m3fn (and TensorRT expects one)
+    new_inits = [helper.make_tensor(zero, TensorProto.FLOAT8E4M3FN, [], vals=b"\x00", raw=True)]
+    inserted: dict[int, list[onnx.NodeProto]] = {}      # id(MatMul) -> nodes to put right before it
+    act_qdq: dict[tuple[str, float], str] = {}         # (activation, scale) -> its dequantized name
+    drop, quantized, skipped = set(), [], []
+    for node, w_init in pairs:
+        mod = module_name(w_init.name)
+        if mod is None or mod not in scales or any(re.search(p, mod) for p in exclude):
+            skipped.append(mod or w_init.name)
+            continue
+        s = scales[mod]
+        w = numpy_helper.to_array(w_init)                                   # [in, out]
+        float_types.add(w.dtype)
+        bits = _checked_bits(mod, w, s)
+        base = w_init.name
+        new_inits += [
+            helper.make_tensor(base + "_fp8", TensorProto.FLOAT8E4M3FN, list(w.shape), vals=bits.tobytes(), raw=True),
+            numpy_helper.from_array(np.array(s.weight_scale, dtype=w.dtype), base + "_scale"),
+        ]
+        nodes = [helper.make_node("DequantizeLinear", [base + "_fp8", base + "_scale", zero], [base + "_dq"],
+                                  name=base + "_DequantizeLinear")]
+        x = node.input[0]
+        key = (x, float(s.input_scale))
+        if key not in act_qdq:                      # q/k/v (and gate/up) read one tensor with one scale: one pair
+            tag = f"{x}_fp8_{len(act_qdq)}"
+            new_inits.append(numpy_helper.from_array(np.array(s.input_scale, dtype=w.dtype), tag + "_scale"))
+            nodes += [helper.make_node("QuantizeLinear", [x, tag + "_scale", zero], [tag + "_q"],
+                                       name=tag + "_QuantizeLinear"),
+                      helper.make_node("DequantizeLinear", [tag + "_q", tag + "_scale", zero], [tag + "_dq"],
+                                       name=tag + "_DequantizeLinear")]
+            act_qdq[key] = tag + "_dq"
+        inserted[id(node)] = nodes
+        node.input[0], node.input[1] = act_qdq[key], base + "_dq"
+        drop.add(base)
+        quantized.append(mod)
+    if len(float_types) > 1:
+        raise ModelError(f"{onnx_path.name}: weights of mixed float types; cannot pick a scale type")
+    if not quantized:
+        raise ModelError(f"{onnx_path.name}: no MatMul weight matches the calibrated scales (is the calibrated "
+                         "checkpoint from this model?)")
+    nodes = []
+    for n in g.node:                                # Q/DQ go right before their MatMul: order stays topological
+        nodes += inserted.get(id(n), [])
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [t for t in g.initializer if t.name not in drop]
+    del g.initializer[:]
+    g.initializer.extend(kept + new_inits)
+    files = _save(model, out_path)
+    return QuantReport("fp8", tuple(quantized), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+
+
+def _checked_bits(mod: str, w: np.ndarray, s: Fp8Scales) -> np.ndarray:
+    """FP8 bits [in, out] for weight w [in, out]: the checkpoint's own bits when given (bit-identical to ModelOpt),
+    after checking that they are this weight; else w / weight_scale cast here."""
+    if s.weight_fp8 is None:
+        return _to_fp8_bits(w, s.weight_scale)
+    bits = np.ascontiguousarray(s.weight_fp8.T)
+    if bits.shape != w.shape:
+        raise ModelError(f"calibrated weight of {mod} has shape {tuple(s.weight_fp8.shape)}, the graph's is "
+                         f"{tuple(w.T.shape)}: the checkpoint was calibrated for another model")
+    deq = fp8_dequantize(bits, s.weight_scale)
+    ref = w.astype(np.float32)
+    err = float(np.linalg.norm(deq - ref) / max(np.linalg.norm(ref), 1e-30))
+    if err > FP8_WEIGHT_MISMATCH:
+        raise ModelError(f"calibrated FP8 weight of {mod} differs from the engine's weight by {err:.0%} (relative): "
+                         "the checkpoint was calibrated from another model")
+    return bits
+
+
+# ---------------------------------------------------------------------------------------------------------- int8
+
+def int8_weight_only(onnx_path, out_path, exclude: tuple[str, ...] = (), block_size: int = INT8_BLOCK,
+                     accuracy_level: int = INT8_ACCURACY_LEVEL) -> QuantReport:
+    """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes an 8-bit MatMulNBits
+    (symmetric: no zero points); modules matching a regex in `exclude` stay float."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    onnx_path, out_path = Path(onnx_path), Path(out_path)
+    before = _bytes(_files_of(onnx_path))
+    model = _load(onnx_path)
+    candidates, skipped, exclude_nodes = [], [], []
+    for node, w in _weight_matmuls(model.graph):
+        mod = module_name(w.name) or w.name
+        if w.dims[0] % block_size or any(re.search(p, mod) for p in exclude):
+            skipped.append(mod)
+            exclude_nodes.append(node.name)
+        else:
+            candidates.append(mod)
+    if not candidates:
+        raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
+    metadata = [(p.key, p.value) for p in model.metadata_props]
+    q = MatMulNBitsQuantizer(model, bits=8, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
+                             nodes_to_exclude=exclude_nodes)
+    with _quiet_logger("onnxruntime.quantization"):        # it logs a line per node at INFO
+        q.process()
+    out = q.model.model
+    del out.metadata_props[:]                       # the quantizer rebuilds the proto: carry the engine id over
+    for k, v in metadata:
+        out.metadata_props.add(key=k, value=v)
+    quantized = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    if len(quantized) != len(candidates):
+        raise ModelError(f"{onnx_path.name}: MatMulNBits replaced {len(quantized)} of {len(candidates)} MatMuls")
+    files = _save(out, out_path)
+    return QuantReport("int8", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Raise a logger and its children to WARNING for the duration (restored afterwards)."""
+    loggers = [logging.getLogger(n) for n in [name] + [k for k in logging.root.manager.loggerDict if
+                                                        k.startswith(name + ".")]]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

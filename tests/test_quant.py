@@ -1,0 +1,356 @@
+"""Quantization: ModelOpt FP8 calibration (checkpoint layout, scales, quality report), FP8 Q/DQ and int8 MatMulNBits
+graphs in ONNX Runtime, and `eaglex check` on quantized engines (speculative == vanilla on the same engine).
+
+One float engine (Llama fixture + EAGLE-3 head) is built per module and copied for each quantization; one
+calibration is shared by every FP8 test. The calibration text is the target's own greedy continuations, so that its
+perplexity is meaningful. ModelOpt tests skip when `nvidia-modelopt` is not installed (`pip install eaglex[quant]`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors import safe_open
+
+from eaglex.cli import main
+from eaglex.engines.build import build_engine
+from eaglex.engines.manifest import read_manifest
+from eaglex.engines.quantize import quantize_engine, target_parity
+from eaglex.export import quantize as q
+from eaglex.models.errors import ModelError
+from eaglex.runtime.generate import VanillaGenerator
+from eaglex.runtime.ort_backend import OrtBackend
+from eaglex.runtime.ort_session import use_global_pool
+from eaglex.runtime.torch_backend import TorchBackend
+
+HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
+needs_modelopt = pytest.mark.skipif(not HAVE_MODELOPT, reason="nvidia-modelopt is not installed "
+                                                               "(pip install 'eaglex[quant]')")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _sizes(target_dir) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head_dim, vocab) of a fixture target, so that counts follow the fixture's spec."""
+    c = json.loads((target_dir / "config.json").read_text())
+    return (c["num_hidden_layers"], c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"]
+            // c["num_attention_heads"], c["vocab_size"])
+
+
+@pytest.fixture(scope="module")
+def calib_data(models, prompts, tmp_path_factory):
+    """JSONL of the target's greedy continuations of the fixture prompts (input_ids lines; the random prompts
+    themselves are left out: the peaked fixture assigns them near-zero probability)."""
+    backend = TorchBackend(models["llama"])
+    gen = VanillaGenerator(backend)
+    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    with open(path, "w") as f:
+        for p in prompts[:16]:
+            f.write(json.dumps({"input_ids": gen.generate(p, 48).output_ids}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(models, calib_data, tmp_path_factory):
+    if not HAVE_MODELOPT:
+        pytest.skip("nvidia-modelopt is not installed (pip install 'eaglex[quant]')")
+    out = tmp_path_factory.mktemp("cal") / "llama-fp8"
+    assert main(["calibrate", "--target", str(models["llama"]), "--out", str(out), "--data", str(calib_data),
+                 "--samples", "8", "--seq-len", "48", "--eval-samples", "4", "--kv-cache", "fp8"]) == 0
+    return out, json.loads((out / "eaglex_calibration.json").read_text())
+
+
+class _GlobalPoolOptions(ort.SessionOptions):
+    def __init__(self):
+        super().__init__()
+        self.use_per_session_threads = False
+
+
+@pytest.fixture(scope="module")
+def float_engine(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qengine") / "llama-eagle3"
+    with pytest.MonkeyPatch.context() as mp:
+        # build_engine's parity check opens sessions with per-session threads, which ORT refuses once an OrtBackend
+        # created the process-wide pool (earlier test modules do); route them to that pool instead.
+        use_global_pool()
+        mp.setattr(ort, "SessionOptions", _GlobalPoolOptions)
+        build_engine(models["llama"], models["llama/eagle3"], out, progress=False)
+    return out
+
+
+def _session(path) -> ort.InferenceSession:
+    use_global_pool()
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _copy_engine(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+@needs_modelopt
+def test_calibrated_checkpoint_layout_and_scales(calibrated, models):
+    out, report = calibrated
+    for name in ("config.json", "hf_quant_config.json", "model.safetensors", "generation_config.json",
+                 "eaglex_calibration.json"):
+        assert (out / name).is_file(), name
+    hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8"
+    assert "lm_head" in hq["exclude_modules"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "modelopt" and cfg["architectures"] == ["LlamaForCausalLM"]
+    with safe_open(str(models["llama"] / "model.safetensors"), "pt") as f:
+        orig = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        ck = {k: f.get_tensor(k) for k in f.keys()}
+    assert ck["lm_head.weight"].dtype == torch.float32 and ck["model.embed_tokens.weight"].dtype == torch.float32
+    for layer in range(_sizes(models["llama"])[0]):
+        for lin in LINEARS:
+            part = "self_attn" if lin.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            m = f"model.layers.{layer}.{part}.{lin}"
+            w, ws, xs = ck[m + ".weight"], ck[m + ".weight_scale"], ck[m + ".input_scale"]
+            assert w.dtype == torch.float8_e4m3fn and ws.shape == () and xs.shape == () and float(xs) > 0
+            # per-tensor max calibration of the weight: scale = amax / 448
+            assert float(ws) == pytest.approx(float(orig[m + ".weight"].abs().max()) / 448, rel=1e-6)
+            deq = w.float() * ws
+            rel = (deq - orig[m + ".weight"]).norm() / orig[m + ".weight"].norm()
+            assert rel < 0.05, (m, float(rel))
+        attn = f"model.layers.{layer}.self_attn"
+        assert float(ck[attn + ".k_proj.k_scale"]) > 0 and float(ck[attn + ".v_proj.v_scale"]) > 0
+        # q/k/v read the same input, so ModelOpt calibrates one input amax for all three
+        assert float(ck[attn + ".q_proj.input_scale"]) == float(ck[attn + ".k_proj.input_scale"])
+
+
+@needs_modelopt
+def test_quality_report_is_sane(calibrated, models):
+    out, report = calibrated
+    L = _sizes(models["llama"])[0]
+    quality = report["quality"]
+    # The fixture's logits are very peaked: the few tokens that a window's missing context decides dominate its
+    # perplexity (hundreds), and FP8 noise moves those either way; top-1 agreement and KL are the tight checks here.
+    assert 1.0 <= quality["perplexity_reference"] < 1e4 and quality["perplexity_quantized"] >= 1.0
+    assert 0.25 < quality["perplexity_ratio"] < 4
+    assert quality["top1_agreement"] > 0.85 and 0 < quality["kl_mean"] < 0.5
+    assert 0 < quality["logits_rel_error"] < 0.5
+    counts = {k: v["count"] for k, v in report["quantizers"].items()}
+    assert counts == {"input_quantizer": 7 * L, "weight_quantizer": 7 * L, "k_bmm_quantizer": L, "v_bmm_quantizer": L}
+    assert report["data"]["calibration_windows"] >= 1 and report["data"]["evaluation_windows"] >= 1
+
+
+@needs_modelopt
+def test_calibrate_errors(models, tmp_path, calibrated):
+    from eaglex.calibration.fp8 import CalibrateConfig, calibrate
+    with pytest.raises(ModelError, match="needs a tokenizer"):          # fixtures have no tokenizer
+        calibrate(models["llama"], tmp_path / "x", CalibrateConfig(data="builtin"), progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 999]}\n')
+    with pytest.raises(ModelError, match="outside the target's vocabulary"):
+        calibrate(models["llama"], tmp_path / "x", CalibrateConfig(data=str(bad)), progress=False)
+    with pytest.raises(ModelError, match="already exists"):
+        calibrate(models["llama"], calibrated[0], CalibrateConfig(data=str(bad)), progress=False)
+
+
+# ----------------------------------------------------------------------------------------------- graph passes
+
+def _single_matmul(path, w: np.ndarray, name="target.inner.layers.0.mlp.up_proj.weight_t"):
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", w.shape[0]])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", w.shape[1]])
+    node = onnx.helper.make_node("MatMul", ["x", name], ["y"], name="mm")
+    g = onnx.helper.make_graph([node], "g", [x], [y], [onnx.numpy_helper.from_array(w, name)])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 23)])
+    m.metadata_props.add(key="eaglex.graph", value="target")
+    onnx.save(m, str(path))
+
+
+def _fake_fp8(a: np.ndarray, scale: float) -> np.ndarray:
+    return (torch.from_numpy(a) / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float().numpy() * scale
+
+
+def test_fp8_qdq_matches_fake_quant_math(tmp_path):
+    """One MatMul: ORT's Q/DQ graph computes fake-quant(x) @ fake-quant(W) with the given scales."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x = (rng.standard_normal((5, 64)) * 3).astype(np.float32)
+    _single_matmul(tmp_path / "m.onnx", w)
+    ws, xs = float(np.abs(w).max()) / 448, 6.0 / 448             # x beyond 6.0 saturates, as in ModelOpt
+    scales = {"model.layers.0.mlp.up_proj": q.Fp8Scales(ws, xs)}
+    rep = q.fp8_qdq(tmp_path / "m.onnx", tmp_path / "f.onnx", scales)
+    assert rep.quantized == ("model.layers.0.mlp.up_proj",) and rep.skipped == ()
+    m = onnx.load(str(tmp_path / "f.onnx"))
+    assert {i.data_type for i in m.graph.initializer if i.name.endswith("_fp8")} == {onnx.TensorProto.FLOAT8E4M3FN}
+    assert [n.op_type for n in m.graph.node] == ["DequantizeLinear", "QuantizeLinear", "DequantizeLinear", "MatMul"]
+    assert {p.key: p.value for p in m.metadata_props} == {"eaglex.graph": "target"}
+    got = _session(tmp_path / "f.onnx").run(None, {"x": x})[0]
+    want = _fake_fp8(x, xs) @ _fake_fp8(w, ws)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ModelError, match="no MatMul weight matches"):
+        q.fp8_qdq(tmp_path / "m.onnx", tmp_path / "g.onnx", {"lm_head": q.Fp8Scales(ws, xs)})
+    wrong = q.Fp8Scales(ws, xs, q._to_fp8_bits(-w.T, ws))        # bits of another weight
+    with pytest.raises(ModelError, match="another model"):
+        q.fp8_qdq(tmp_path / "m.onnx", tmp_path / "g.onnx", {"model.layers.0.mlp.up_proj": wrong})
+
+
+def test_module_names():
+    assert q.module_name("target.inner.layers.3.mlp.up_proj.weight_t") == "model.layers.3.mlp.up_proj"
+    assert q.module_name("target.hf.lm_head.weight_t") == "lm_head"
+    assert q.module_name("head.midlayer.self_attn.q_proj.weight_t") == "midlayer.self_attn.q_proj"
+    assert q.module_name("fc.weight_t") == "fc"
+    assert q.module_name("val_16") is None
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@needs_modelopt
+def test_fp8_target_graph_runs_close_to_fp32(float_engine, calibrated, models, tmp_path, monkeypatch):
+    from eaglex.calibration.checkpoint import read_fp8_scales
+    L, kv, hd, V = _sizes(models["llama"])
+    scales = read_fp8_scales(calibrated[0])
+    monkeypatch.setattr(q, "EXTERNAL_DATA_ABOVE", 0)            # exercise the external-data path
+    rep = q.fp8_qdq(float_engine / "target.onnx", tmp_path / "target.onnx", scales, exclude=(r"lm_head$",))
+    assert len(rep.quantized) == 7 * L and rep.skipped == ("lm_head",)
+    assert rep.files == ("target.onnx", "target.onnx.data") and rep.bytes_after < rep.bytes_before / 2
+    m = onnx.load(str(tmp_path / "target.onnx"), load_external_data=False)
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("MatMul") == 7 * L + 2                     # the linears, lm_head, RoPE frequencies
+    assert ops.count("QuantizeLinear") == 4 * L                 # shared by q/k/v and gate/up: 4 inputs per layer
+    assert ops.count("DequantizeLinear") == 7 * L + 4 * L
+    meta = {p.key: p.value for p in m.metadata_props}
+    assert meta["eaglex.graph"] == "target" and "eaglex.engine_id" in meta
+    manifest = read_manifest(float_engine)
+    parity = target_parity(float_engine, tmp_path, manifest)
+    assert parity["logits_rel_error"] < 0.5 and parity["top1_agreement"] >= 0.9
+    # The graph computes exactly the checkpoint's quantization: HF forward with the FP8 weights dequantized and
+    # every Linear input fake-quantized with its input_scale gives the same logits (FP8 rounding error is ~20 %).
+    ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(0))
+    want = _fake_quant_reference(models["llama"], calibrated[0], ids)
+    feeds = {"input_ids": ids.numpy(), "position_ids": np.arange(24)[None], "logits_rows": np.arange(24),
+             "attn_mask": np.tril(np.ones((24, 24), dtype=bool))[None, None]}
+    for i in range(L):
+        feeds[f"past_key_{i}"] = feeds[f"past_value_{i}"] = np.zeros((1, kv, 0, hd), dtype=np.float32)
+    got = _session(tmp_path / "target.onnx").run(["logits"], feeds)[0][0]
+    assert _rel(got, want) < 1e-5
+
+
+@torch.no_grad()
+def _fake_quant_reference(target_dir, checkpoint, ids) -> np.ndarray:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ck = load_file(str(checkpoint / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name + ".weight_scale" in ck:
+            mod.weight.data = ck[name + ".weight"].float() * ck[name + ".weight_scale"]
+            scale = float(ck[name + ".input_scale"])
+            mod.register_forward_pre_hook(lambda m, args, s=scale: (torch.from_numpy(_fake_fp8(args[0].numpy(), s)),))
+    return model(ids).logits[0].numpy()
+
+
+def test_int8_target_graph_runs_close_to_fp32(float_engine, models, tmp_path):
+    L = _sizes(models["llama"])[0]
+    rep = q.int8_weight_only(float_engine / "target.onnx", tmp_path / "target.onnx")
+    assert len(rep.quantized) == 7 * L + 1 and rep.skipped == ()     # lm_head included: it is weight-only
+    m = onnx.load(str(tmp_path / "target.onnx"))
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 7 * L + 1
+    attrs = {a.name: a.i for a in nbits[0].attribute}
+    assert attrs["bits"] == 8 and attrs["block_size"] == 32 and attrs["accuracy_level"] == 4
+    assert {p.key for p in m.metadata_props} >= {"eaglex.engine_id", "eaglex.graph"}
+    parity = target_parity(float_engine, tmp_path, read_manifest(float_engine))
+    assert parity["logits_rel_error"] < 0.1 and parity["top1_agreement"] >= 0.95
+
+
+# ----------------------------------------------------------------------------------------------- engines
+
+def _prompt_file(tmp_path, prompts, n=4):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
+    return f
+
+
+def _check_engine(engine, tmp_path, prompts, capsys):
+    rc = main(["check", "--engine", str(engine), "--prompts", str(_prompt_file(tmp_path, prompts)),
+               "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "4/4 identical to vanilla" in out
+
+
+def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompts, capsys):
+    L = _sizes(models["llama"])[0]
+    e = _copy_engine(float_engine, tmp_path / "int8")
+    m = quantize_engine(e, "int8", progress=False)
+    assert m["quant"]["method"] == "int8" and m["quant"]["calibration"] is None
+    assert m["dtypes"]["weights"] == "int8" and m["graphs"]["target"]["ops"]["MatMulNBits"] == 7 * L + 1
+    assert m["quant"]["bytes_after"] < m["quant"]["bytes_before"]
+    assert "MatMulNBits" not in m["graphs"]["draft"]["ops"]        # the head stays float unless asked
+    assert not list(tmp_path.glob(".int8.*"))                     # no leftovers of the atomic swap
+    OrtBackend(e)                                                   # hashes match the new manifest
+    _check_engine(e, tmp_path, prompts, capsys)
+    with pytest.raises(ModelError, match="already quantized"):
+        quantize_engine(e, "int8", progress=False)
+
+
+@needs_modelopt
+def test_fp8_engine_check_is_token_exact(float_engine, calibrated, models, tmp_path, prompts, capsys):
+    L = _sizes(models["llama"])[0]
+    e = _copy_engine(float_engine, tmp_path / "fp8")
+    m = quantize_engine(e, "fp8", calibrated[0], progress=False)
+    qsec = m["quant"]
+    assert qsec["method"] == "fp8" and qsec["calibration"]["quant_algo"] == "FP8"
+    assert qsec["calibration"]["kv_cache_scales_applied"] is False
+    assert set(qsec["calibration"]["sha256"]) == {"model.safetensors"}
+    assert m["graphs"]["target"]["ops"]["QuantizeLinear"] == 4 * L and qsec["graphs"]["target"]["matmuls"] == 7 * L
+    assert qsec["parity"]["top1_agreement"] >= 0.9
+    _check_engine(e, tmp_path, prompts, capsys)
+
+
+def test_quantize_engine_errors(float_engine, tmp_path, models):
+    e = _copy_engine(float_engine, tmp_path / "e")
+    before = sorted(p.name for p in e.iterdir())
+    with pytest.raises(ModelError, match="needs the activation scales"):
+        quantize_engine(e, "fp8", progress=False)
+    with pytest.raises(ModelError, match="int8 weight-only quantization needs no calibration"):
+        quantize_engine(e, "int8", tmp_path, progress=False)
+    with pytest.raises(ModelError, match="not an FP8 checkpoint"):
+        quantize_engine(e, "fp8", models["llama"], progress=False)
+    with pytest.raises(ModelError, match="not available"):
+        quantize_engine(e, "int4", progress=False)
+    assert sorted(p.name for p in e.iterdir()) == before and read_manifest(e).get("quant") is None
+    assert main(["build", "--target", str(models["llama"]), "--out", str(tmp_path / "x"), "--quant", "fp8"]) == 2
+
+
+def test_calibrate_cli_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--target", "--out", "--quant", "--kv-cache", "--data", "--samples", "--seq-len", "--quant-draft"):
+        assert flag in out
+
+
+@pytest.mark.slow
+@needs_modelopt
+def test_fp8_draft_engine_check_is_token_exact(float_engine, calibrated, calib_data, models, tmp_path, prompts,
+                                                capsys):
+    """--quant-draft: the EAGLE-3 head calibrated on the quantized target's features, then FP8 draft graphs."""
+    cal = tmp_path / "cal"
+    assert main(["calibrate", "--target", str(models["llama"]), "--out", str(cal), "--data", str(calib_data),
+                 "--samples", "4", "--seq-len", "48", "--eval-samples", "2", "--draft", str(models["llama/eagle3"]),
+                 "--quant-draft"]) == 0
+    hq = json.loads((tmp_path / "cal-draft" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "FP8" and hq["exclude_modules"] == ["lm_head"]
+    e = _copy_engine(float_engine, tmp_path / "fp8-draft")
+    m = quantize_engine(e, "fp8", cal, draft=True, calibrated_draft_dir=tmp_path / "cal-draft", progress=False)
+    assert m["quant"]["graphs"]["draft"]["matmuls"] == 7 and m["quant"]["graphs"]["draft_fc"]["matmuls"] == 1
+    _check_engine(e, tmp_path, prompts, capsys)
