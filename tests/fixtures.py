@@ -3,7 +3,8 @@
 Nothing here trains or downloads anything. Every builder takes a seed, uses its own ``torch.Generator`` (the global
 RNG is left as it was) and writes float32 weights; the same arguments give byte-identical tensors.
 
-Targets (Hugging Face folders: ``config.json`` with ``architectures``, ``model.safetensors``, ``generation_config.json``)
+Targets (Hugging Face folders: ``config.json`` with ``architectures``, ``model.safetensors``,
+``generation_config.json``)
 
 - ``make_llama_target``: LlamaForCausalLM, 8 layers, H=96, 8 query / 2 KV heads, ``head_dim`` 16 (≠ 96/8), llama3 RoPE
   scaling (θ=500000, factor 8, original context 64, so all three llama3 frequency bands occur), untied ``lm_head``.
@@ -11,16 +12,27 @@ Targets (Hugging Face folders: ``config.json`` with ``architectures``, ``model.s
 
 Both follow the construction of ``shared/reference/testing.md``: vocabulary V=48 ≤ H, embedding rows
 ``sqrt(H)·Q[:V]`` for a random orthogonal Q (orthogonal, equal norm), random attention/MLP weights whose output
-projections (``o_proj``, ``down_proj``) are scaled by ε. With the residual stream ≈ e(t) the target mostly follows a
-fixed token map t → next(t) and the context (attention) overrides it now and then.
+projections are scaled by ε (``eps_attn`` for ``o_proj``, ``eps_mlp`` for ``down_proj``, relative to a unit-gain
+init). With the residual stream ≈ e(t) the target mostly follows a fixed token map t → next(t), and the context
+overrides it now and then. Two changes to the recipe make the overrides come from the *context* (other prefix →
+other next token, a position or KV-cache bug → other output) rather than from the token itself:
+
+- attention is sharp (q/k std 2/sqrt(H)) and "anti-self": the query heads of a KV group share one query direction
+  and k = −q, so a token scores itself lowest and each layer reads other positions (RoPE makes that position
+  dependent);
+- most of the perturbation comes from attention (ε_attn 1.2 Llama / 0.8 Qwen2), little from the MLPs (ε_mlp 0.3).
 
 - Llama (untied): ``lm_head = E[perm]``, so next = perm⁻¹ (testing.md).
 - Qwen2 (tied): a tied head alone would give next(t) = t (a model that mostly repeats its last token, where pairing
   bugs go unnoticed). Instead, layer 0's MLP holds a lookup table (neuron t fires on e(t) and writes
   e(σ(t)) − e(t)), so the map is a random permutation σ here too.
 
-The EOS id is chosen at build time by measurement: the token that greedy generations from probe prompts reach for
-about half of the prompts (see ``_pick_eos``). It is written to ``config.json`` and ``generation_config.json``.
+``probe_token_map`` measures the map (the target's most frequent prediction after t over random contexts); the head
+builders use it, so they need no knowledge of how a target was built.
+
+The EOS id is chosen at build time by measurement: the token that greedy generations from seeded probe prompts reach
+for about 35% of the prompts, preferably not right away (see ``_pick_eos``). It is written to ``config.json`` and
+``generation_config.json``.
 
 Heads (official layouts, eagle.md §1.1/§1.4 for EAGLE-3, §2 for EAGLE-1/2), built so that they agree with the
 target often but not always:
@@ -37,6 +49,7 @@ target often but not always:
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import random
@@ -45,23 +58,25 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "LLAMA_SPEC", "QWEN2_SPEC", "EAGLE3_SPEC",
+    "LLAMA_SPEC", "QWEN2_SPEC", "EAGLE3_SPEC", "EAGLE1_SPEC",
     "make_llama_target", "make_qwen2_target", "make_eagle3_head", "make_eagle1_head", "make_prompts",
     "probe_token_map", "eagle3_tap_layers",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sizes and knobs. ε ("eps") scales o_proj/down_proj relative to a unit-gain init (std 1/sqrt(fan_in)); "qk_gain"
-# sets the attention sharpness (q/k std = qk_gain/sqrt(H)), so positions and the KV cache matter.
+# Sizes and knobs. eps_attn / eps_mlp scale o_proj / down_proj relative to a unit-gain init (std 1/sqrt(fan_in));
+# qk_gain sets the attention sharpness (q/k std = qk_gain/sqrt(H)); anti_self is the share of the group's query
+# direction in every query head of a KV group (k = −that direction), see the module docstring.
 # ---------------------------------------------------------------------------------------------------------------
 LLAMA_SPEC = dict(
     vocab=48, hidden=96, intermediate=96, layers=8, heads=8, kv_heads=2, head_dim=16, max_pos=512,
     rope_theta=500000.0, rope_factor=8.0, rope_low=1.0, rope_high=4.0, rope_orig_max=64,
-    eps=0.45, qk_gain=2.0, norm_jitter=0.1, rms_norm_eps=1e-5,
+    eps_attn=1.2, eps_mlp=0.3, qk_gain=2.0, anti_self=0.9, norm_jitter=0.1, rms_norm_eps=1e-5,
 )
 QWEN2_SPEC = dict(
     vocab=48, hidden=96, intermediate=96, layers=7, heads=4, kv_heads=2, max_pos=512, rope_theta=1000000.0,
-    eps=0.45, qk_gain=2.0, norm_jitter=0.1, bias_std=0.1, lookup_gain=8.0, rms_norm_eps=1e-6,
+    eps_attn=0.8, eps_mlp=0.3, qk_gain=2.0, anti_self=0.9, norm_jitter=0.1, bias_std=0.1, lookup_gain=8.0,
+    rms_norm_eps=1e-6,
 )
 EAGLE3_SPEC = dict(
     heads=4, kv_heads=2,       # GQA like the official LLaMA-3.1 head (32/8); head_dim = H // heads (eagle.md §1.1)
@@ -74,9 +89,9 @@ EAGLE3_SPEC = dict(
 )
 EAGLE1_SPEC = dict(eps=0.15, qk_gain=1.0, fc_feature_std=0.15, bias_std=0.02, norm_jitter=0.05)
 
-_PROBE_PROMPTS = 24      # probe generations used to pick the EOS id and the draft vocabulary
-_PROBE_PROMPT_LEN = 6
-_PROBE_NEW = 48
+_PROBE_PROMPTS = 24      # per length: probe generations used to pick the EOS id and the draft vocabulary
+_PROBE_PROMPT_LENS = (3, 24)
+_PROBE_NEW = 60
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,28 +145,49 @@ def _load_target(target_dir):
 
 @torch.no_grad()
 def _greedy_batch(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts (no KV cache: the full sequence is recomputed each step)."""
-    seq = prompts
-    out = []
-    for _ in range(n_new):
-        nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
-        out.append(nxt)
-        seq = torch.cat([seq, nxt], 1)
-    return torch.cat(out, 1)
+    """Greedy continuation of equal-length prompts [B, T] -> [B, n_new] (HF KV cache)."""
+    out = model(prompts, use_cache=True)
+    cache = out.past_key_values
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    toks = [nxt]
+    for _ in range(n_new - 1):
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(nxt)
+    return torch.cat(toks, 1)
 
 
-def _probe_prompts(vocab: int, seed: int) -> torch.Tensor:
-    g = _gen(seed, 777)
-    return torch.randint(0, vocab, (_PROBE_PROMPTS, _PROBE_PROMPT_LEN), generator=g)
+_PROBE_CACHE: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def _pick_eos(gens: torch.Tensor) -> int:
-    """The token that about half of the probe generations reach, preferably not in their first few tokens.
+def _weights_digest(folder: Path) -> str:
+    return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
 
-    Score per token t: |fraction of generations containing t − 0.5|, plus a penalty when the median first hit is
-    earlier than 8 tokens in. Ties go to the smaller id. Deterministic.
+
+@torch.no_grad()
+def _probe_generations(model, seed: int, digest: str | None = None) -> torch.Tensor:
+    """Greedy continuations [2·_PROBE_PROMPTS, _PROBE_NEW] of seeded random prompts, short and long.
+
+    Memoized per (weights digest, seed) when a digest is given: head builders reuse the target's probes.
     """
-    n, steps = gens.shape
+    if digest is not None and (digest, seed) in _PROBE_CACHE:
+        return _PROBE_CACHE[(digest, seed)].clone()
+    V = model.config.vocab_size
+    g = _gen(seed, 777)
+    gens = torch.cat([_greedy_batch(model, torch.randint(0, V, (_PROBE_PROMPTS, n), generator=g), _PROBE_NEW)
+                      for n in _PROBE_PROMPT_LENS], 0)
+    if digest is not None:
+        _PROBE_CACHE[(digest, seed)] = gens.clone()
+    return gens
+
+
+def _pick_eos(gens: torch.Tensor, target: float = 0.35, min_median: int = 10) -> int:
+    """The token that about 35% of the probe generations reach, preferably not in their first few tokens.
+
+    Score per token t: |fraction of generations containing t − target|, plus 0.5 when the median first hit is
+    earlier than ``min_median`` tokens in. Ties go to the smaller id. Deterministic.
+    """
     best, best_score = 0, float("inf")
     for t in range(int(gens.max()) + 1):
         hit = gens == t
@@ -159,19 +195,18 @@ def _pick_eos(gens: torch.Tensor) -> int:
         frac = rows.float().mean().item()
         if frac == 0.0 or frac == 1.0:
             continue
-        first = hit.float().argmax(1)[rows].float()
-        median = first.median().item()
-        score = abs(frac - 0.5) + (0.5 if median < 8 else 0.0)
+        median = hit.float().argmax(1)[rows].float().median().item()
+        score = abs(frac - target) + (0.5 if median < min_median else 0.0)
         if score < best_score:
             best, best_score = t, score
     return best
 
 
-def _finish_target(model, out: Path, seed: int, vocab: int, legacy_rope: bool = False) -> Path:
+def _finish_target(model, out: Path, seed: int, legacy_rope: bool = False) -> Path:
     """Pick EOS by measurement, then save config/weights/generation_config."""
     from transformers import GenerationConfig
     model.eval()
-    gens = _greedy_batch(model, _probe_prompts(vocab, seed), _PROBE_NEW)
+    gens = _probe_generations(model, seed)
     eos = _pick_eos(gens)
     model.config.eos_token_id = eos
     model.config.bos_token_id = None
@@ -179,6 +214,7 @@ def _finish_target(model, out: Path, seed: int, vocab: int, legacy_rope: bool = 
     model.generation_config = GenerationConfig(eos_token_id=eos, do_sample=False)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
+    _PROBE_CACHE[(_weights_digest(out), seed)] = gens
     if legacy_rope:  # the form found in hub config.json files of LLaMA-3.1 (rope_theta + rope_scaling)
         cfg = json.loads((out / "config.json").read_text())
         rp = dict(cfg.pop("rope_parameters"))
@@ -188,17 +224,27 @@ def _finish_target(model, out: Path, seed: int, vocab: int, legacy_rope: bool = 
     return out
 
 
-def _attn_mlp_weights(g, spec, H, nh, nkv, hd, I, eps):
-    """Random unit-gain q/k/v/gate/up; o_proj and down_proj scaled by ε."""
+def _attn_mlp_weights(g, spec, H, nh, nkv, hd, I, eps_attn, eps_mlp):
+    """Random unit-gain q/k/v/gate/up; o_proj scaled by eps_attn, down_proj by eps_mlp."""
     qk = spec["qk_gain"] / math.sqrt(H)
+    q = _randn(g, nh * hd, H, std=qk)
+    k = _randn(g, nkv * hd, H, std=qk)
+    a = spec.get("anti_self", 0.0)
+    if a:
+        # the query heads of KV group j share one query direction and k_j = -q_j: a token scores itself lowest,
+        # so the attention output comes from the other tokens of the context (context-, not token-driven)
+        G = nh // nkv
+        qg = q.view(nkv, G, hd, H)
+        qg[:, 1:] = a * qg[:, :1] + math.sqrt(1 - a * a) * qg[:, 1:]
+        k = -qg[:, 0].reshape(nkv * hd, H).clone()
     return {
-        "self_attn.q_proj.weight": _randn(g, nh * hd, H, std=qk),
-        "self_attn.k_proj.weight": _randn(g, nkv * hd, H, std=qk),
+        "self_attn.q_proj.weight": q,
+        "self_attn.k_proj.weight": k,
         "self_attn.v_proj.weight": _randn(g, nkv * hd, H, std=1 / math.sqrt(H)),
-        "self_attn.o_proj.weight": _randn(g, H, nh * hd, std=eps / math.sqrt(nh * hd)),
+        "self_attn.o_proj.weight": _randn(g, H, nh * hd, std=eps_attn / math.sqrt(nh * hd)),
         "mlp.gate_proj.weight": _randn(g, I, H, std=1 / math.sqrt(H)),
         "mlp.up_proj.weight": _randn(g, I, H, std=1 / math.sqrt(H)),
-        "mlp.down_proj.weight": _randn(g, H, I, std=eps / math.sqrt(I)),
+        "mlp.down_proj.weight": _randn(g, H, I, std=eps_mlp / math.sqrt(I)),
     }
 
 
@@ -210,11 +256,12 @@ def make_llama_target(path, seed: int = 0, legacy_rope: bool = False, **override
     """LlamaForCausalLM with GQA, head_dim ≠ H/heads, llama3 RoPE scaling and an untied lm_head = E[perm].
 
     ``legacy_rope=True`` writes ``rope_theta`` + ``rope_scaling`` (hub style) instead of ``rope_parameters``.
-    ``overrides`` replace entries of ``LLAMA_SPEC`` (e.g. ``eps``).
+    ``overrides`` replace entries of ``LLAMA_SPEC`` (e.g. ``eps_attn``).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
     s = {**LLAMA_SPEC, **overrides}
-    V, H, I, L, nh, nkv, hd = s["vocab"], s["hidden"], s["intermediate"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"]
+    V, H, I, L = s["vocab"], s["hidden"], s["intermediate"], s["layers"]
+    nh, nkv, hd = s["heads"], s["kv_heads"], s["head_dim"]
     assert V <= H and L >= 7
     cfg = LlamaConfig(
         vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=nh,
@@ -233,18 +280,21 @@ def make_llama_target(path, seed: int = 0, legacy_rope: bool = False, **override
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = _norm_weight(g, H, s["norm_jitter"])
         sd[p + "post_attention_layernorm.weight"] = _norm_weight(g, H, s["norm_jitter"])
-        for k, v in _attn_mlp_weights(g, s, H, nh, nkv, hd, I, s["eps"]).items():
+        for k, v in _attn_mlp_weights(g, s, H, nh, nkv, hd, I, s["eps_attn"], s["eps_mlp"]).items():
             sd[p + k] = v
     sd["model.norm.weight"] = _norm_weight(g, H, s["norm_jitter"])
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(cfg)
     model.load_state_dict(sd, strict=True)
-    return _finish_target(model, Path(path), seed, V, legacy_rope=legacy_rope)
+    return _finish_target(model, Path(path), seed, legacy_rope=legacy_rope)
 
 
 @_one_thread()
 def make_qwen2_target(path, seed: int = 0, **overrides) -> Path:
-    """Qwen2ForCausalLM with q/k/v biases and tied embeddings; layer 0's MLP implements a random permutation map."""
+    """Qwen2ForCausalLM with q/k/v biases and tied embeddings; layer 0's MLP implements a random permutation map.
+
+    ``overrides`` replace entries of ``QWEN2_SPEC``.
+    """
     from transformers import Qwen2Config, Qwen2ForCausalLM
     s = {**QWEN2_SPEC, **overrides}
     V, H, I, L, nh, nkv = s["vocab"], s["hidden"], s["intermediate"], s["layers"], s["heads"], s["kv_heads"]
@@ -265,7 +315,7 @@ def make_qwen2_target(path, seed: int = 0, **overrides) -> Path:
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = _norm_weight(g, H, s["norm_jitter"])
         sd[p + "post_attention_layernorm.weight"] = _norm_weight(g, H, s["norm_jitter"])
-        for k, v in _attn_mlp_weights(g, s, H, nh, nkv, hd, I, s["eps"]).items():
+        for k, v in _attn_mlp_weights(g, s, H, nh, nkv, hd, I, s["eps_attn"], s["eps_mlp"]).items():
             sd[p + k] = v
         sd[p + "self_attn.q_proj.bias"] = _randn(g, nh * hd, std=s["bias_std"])
         sd[p + "self_attn.k_proj.bias"] = _randn(g, nkv * hd, std=s["bias_std"])
@@ -281,10 +331,11 @@ def make_qwen2_target(path, seed: int = 0, **overrides) -> Path:
     sd["model.norm.weight"] = _norm_weight(g, H, s["norm_jitter"])
     with torch.random.fork_rng(devices=[]):
         model = Qwen2ForCausalLM(cfg)
-    model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"}, strict=False)
+    res = model.load_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"}, strict=False)
+    assert not res.unexpected_keys and set(res.missing_keys) <= {"lm_head.weight"}, res
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    return _finish_target(model, Path(path), seed, V)
+    return _finish_target(model, Path(path), seed)
 
 
 def make_prompts(n: int, vocab: int, seed: int = 0, max_len: int = 40) -> list[list[int]]:
@@ -303,10 +354,23 @@ def eagle3_tap_layers(num_layers: int) -> list[int]:
 
 
 @torch.no_grad()
-def probe_token_map(model) -> torch.Tensor:
-    """next[t] = the target's greedy token after the one-token prompt [t]: the map it follows without context."""
+def probe_token_map(model, n_prompts: int = 64, length: int = 32, seed: int = 12345) -> torch.Tensor:
+    """next[t]: the token the target most often predicts right after t, over random contexts.
+
+    One teacher-forced pass over seeded random prompts; for each token t, the mode of the greedy prediction at the
+    positions holding t (ties: smallest id). Tokens never seen fall back to the one-token prompt [t].
+    """
     V = model.config.vocab_size
-    return model(torch.arange(V)[:, None]).logits[:, -1].argmax(-1)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (n_prompts, length), generator=g)
+    pred = model(ids).logits.argmax(-1)
+    counts = torch.zeros(V, V, dtype=torch.long)
+    counts.index_put_((ids.flatten(), pred.flatten()), torch.ones(ids.numel(), dtype=torch.long), accumulate=True)
+    nxt = counts.argmax(-1)  # argmax returns the first maximal index
+    unseen = counts.sum(-1) == 0
+    if unseen.any():
+        nxt[unseen] = model(torch.arange(V)[unseen][:, None]).logits[:, -1].argmax(-1)
+    return nxt
 
 
 @torch.no_grad()
@@ -323,10 +387,9 @@ def _state_vectors(model, nxt: torch.Tensor) -> torch.Tensor:
     return u / u.pow(2).mean(-1, keepdim=True).sqrt()
 
 
-def _draft_vocab(model, seed: int, vd: int) -> torch.Tensor:
+def _draft_vocab(model, gens: torch.Tensor, vd: int) -> torch.Tensor:
     """Top-vd target tokens by frequency over greedy probe generations, sorted ascending (eagle.md §1.5)."""
     V = model.config.vocab_size
-    gens = _greedy_batch(model, _probe_prompts(V, seed + 1), _PROBE_NEW)
     counts = torch.bincount(gens.flatten(), minlength=V).double()
     counts = counts - torch.arange(V, dtype=torch.double) * 1e-6  # ties: smaller id first
     return torch.sort(torch.topk(counts, vd).indices).values
@@ -401,7 +464,10 @@ def make_eagle3_head(target_dir, out_dir, fmt: str = "bin", draft_vocab_size: in
     v_w = v_w + _randn(g, *v_w.shape, std=noise)
     o_w = o_w + _randn(g, *o_w.shape, std=s["noise"] / math.sqrt(H))
 
-    ids = torch.arange(V) if Vd == V else _draft_vocab(model, seed, Vd)
+    if Vd == V:
+        ids = torch.arange(V)
+    else:  # probe generations of the target with this seed (the ones its build used when the seeds agree)
+        ids = _draft_vocab(model, _probe_generations(model, seed, _weights_digest(target_dir)), Vd)
     d2t = (ids - torch.arange(Vd)).to(torch.int64)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
@@ -494,7 +560,7 @@ def make_eagle1_head(target_dir, out_dir, fmt: str = "bin", seed: int = 0, qkv_b
         "embed_tokens.weight": E.clone(),
     }
     spec = {"qk_gain": s["qk_gain"]}
-    for k, v in _attn_mlp_weights(g, spec, H, nh, nkv, hd, I, s["eps"]).items():
+    for k, v in _attn_mlp_weights(g, spec, H, nh, nkv, hd, I, s["eps"], s["eps"]).items():
         sd["layers.0." + k] = v
     if qkv_bias:
         sd["layers.0.self_attn.q_proj.bias"] = _randn(g, nh * hd, std=0.05)

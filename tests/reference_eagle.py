@@ -48,11 +48,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain RoPE (no scaling), HF layout: cos/sin = cat(freqs, freqs)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    freqs = positions.double()[:, None] * inv_freq[None, :]
+    """Plain RoPE (no scaling), float32 as in the official LlamaRotaryEmbedding: cos/sin = cat(freqs, freqs)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], -1)
-    return emb.cos().float(), emb.sin().float()
+    return emb.cos(), emb.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -178,27 +178,44 @@ def load_target(target_dir):
 
 
 @torch.no_grad()
-def target_greedy(model, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
-    """Greedy continuation (no KV cache), stopping after EOS (included)."""
-    seq = list(prompt)
-    out = []
+def target_greedy(model, prompt: list[int], max_new: int, eos: int | None = None, use_cache: bool = True) -> list[int]:
+    """Greedy continuation, stopping after EOS (included). ``use_cache=False`` recomputes the whole sequence."""
+    seq = torch.tensor([list(prompt)])
+    out, cache = [], None
     for _ in range(max_new):
-        t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        if use_cache:
+            res = model(seq if cache is None else seq[:, -1:], past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+        else:
+            res = model(seq)
+        t = int(res.logits[0, -1].argmax())
         out.append(t)
-        seq.append(t)
+        seq = torch.cat([seq, torch.tensor([[t]])], 1)
         if eos is not None and t == eos:
             break
     return out
 
 
+def eagle3_taps(num_layers: int, head_cfg: dict | None = None) -> list[int]:
+    """Decoder layers whose inputs feed fc, low→mid→high (§1.2, §9.1).
+
+    Default [2, L//2, L-3]. A ModelOpt/SpecForge ``eagle_config.eagle_aux_hidden_state_layer_ids`` lists *output*
+    layer ids, i.e. the inputs of layers id+1, taken in ascending order.
+    """
+    ids = ((head_cfg or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return sorted(i + 1 for i in ids)
+    return [2, num_layers // 2, num_layers - 3]
+
+
 @torch.no_grad()
-def target_eagle3_features(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [T, 3H] = inputs of decoder layers 2, L//2, L-3 concatenated, greedy next tokens [T]) (§1.2).
+def target_eagle3_features(model, ids: torch.Tensor,
+                           taps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [T, 3H] = inputs of decoder layers ``taps`` concatenated, greedy next tokens [T]) (§1.2).
 
     Captured with forward pre-hooks on the decoder layers, i.e. literally "the input of layer idx".
     """
-    L = model.config.num_hidden_layers
-    taps = [2, L // 2, L - 3]
+    taps = taps or eagle3_taps(model.config.num_hidden_layers)
     got: dict[int, torch.Tensor] = {}
     hooks = []
     for i in taps:

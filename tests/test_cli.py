@@ -79,11 +79,11 @@ def test_check_fails_on_a_broken_verifier(models, prompt_file, capsys, monkeypat
 
 
 def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
-    """The fixtures are peaked (top-1 logit gaps ~35), so a high temperature makes the target distribution broad."""
+    """The fixtures are peaked (median top-1 logit gap ~12), so a high temperature makes the target distribution broad."""
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:2]))
     args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
-            "--temperature", "20", "--samples", "400", "--total-tokens", "8", "--depth", "3", "--tree-top-k", "3"]
+            "--temperature", "5", "--samples", "400", "--total-tokens", "8", "--depth", "3", "--tree-top-k", "3"]
     assert main(args) == 0, capsys.readouterr().out
     monkeypatch.setattr(generate_mod, "verify_sampling", _accept_first_child)
     assert main(args) == 1

@@ -1,0 +1,239 @@
+"""ONNX engines: export parity, ORT speculative == ORT vanilla == torch vanilla, and clear errors for bad engines.
+
+Two engines are built once per session from the shared fixtures: Llama + EAGLE-3 (draft vocabulary 40 of 48, so d2t
+is exercised; draft_fc + draft graphs) and Qwen2 + EAGLE-1 (qkv biases, tied embeddings; one draft graph).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+import pytest
+import torch
+
+from eaglex.cli import main
+from eaglex.engines.build import build_engine
+from eaglex.engines.manifest import MANIFEST, read_manifest
+from eaglex.models.errors import ModelError
+from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+from eaglex.runtime.ort_backend import OrtBackend
+from eaglex.runtime.torch_backend import TorchBackend
+from eaglex.runtime.types import TreeConfig
+
+MAX_NEW = 40
+ENGINES = {   # engine -> (target, head, tree the loop drafts with, tau floor)
+    "llama-eagle3": ("llama", "eagle3", TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10), 2.0),
+    "qwen2-eagle1": ("qwen2", "eagle1", TreeConfig("static"), 1.5),
+}
+
+
+@pytest.fixture(scope="session")
+def engines(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    out = {}
+    for name, (target, head, _, _) in ENGINES.items():
+        build_engine(models[target], models[f"{target}/{head}"], root / name, progress=False)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_export_parity_and_structure(name, engines):
+    m = read_manifest(engines[name])
+    layers = m["target"]["spec"]["num_layers"]
+    assert m["graphs"]["target"]["ops"]["Attention"] == layers
+    assert m["graphs"]["draft"]["ops"]["Attention"] == 1
+    assert {"LogSoftmax", "TopK"} <= set(m["graphs"]["draft"]["ops"])
+    assert ("draft_fc" in m["graphs"]) == (m["draft"]["kind"] == "eagle3")
+    for graph, report in m["parity"].items():
+        assert report["cases"] >= 1 and report["worst"] < 1e-4, (graph, report)
+    # Each Attention reads its keys/values straight from Concat(past, new): native GQA, no repeat_kv.
+    g = onnx.load(str(engines[name] / "target.onnx")).graph
+    producer = {o: n for n in g.node for o in n.output}
+    inputs = {i.name for i in g.input}
+    for node in (n for n in g.node if n.op_type == "Attention"):
+        for kv in node.input[1:3]:
+            assert producer[kv].op_type == "Concat" and producer[kv].input[0] in inputs
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_ort_speculative_matches_vanilla_and_torch(name, engines, models, prompts):
+    target, head, tree, floor = ENGINES[name]
+    ort_backend, torch_backend = OrtBackend(engines[name]), TorchBackend(models[target])
+    assert ort_backend.draft_kind == head and ort_backend.spec == torch_backend.spec
+    torch_vanilla = VanillaGenerator(torch_backend)
+    ort_vanilla, ort_spec = VanillaGenerator(ort_backend), SpeculativeGenerator(ort_backend, tree)
+    taus = []
+    for p in prompts:
+        want = torch_vanilla.generate(p, MAX_NEW).output_ids
+        assert ort_vanilla.generate(p, MAX_NEW).output_ids == want, p
+        r = ort_spec.generate(p, MAX_NEW)
+        assert r.output_ids == want, p
+        taus.append(r.tau)
+    assert sum(taus) / len(taus) > floor
+
+
+def test_draft_steps_match_torch(engines, models):
+    """Draft outputs (hidden, top-k log-probs, target ids) of both backends agree step by step, commits included."""
+    ob = OrtBackend(engines["llama-eagle3"])
+    tb = TorchBackend(models["llama"], models["llama/eagle3"])
+    g = torch.Generator().manual_seed(0)
+    for b in (ob, tb):
+        b.reset(64)
+    ids = torch.randint(0, 48, (1, 9), generator=g)
+    outs = [b.target_forward(ids, torch.arange(9)[None], None) for b in (ob, tb)]
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-4) and torch.allclose(outs[0][1], outs[1][1], atol=1e-4)
+    feats = outs[1][1]
+    steps = [(feats[:, :8], ids[:, 1:], torch.arange(8)[None], None, True),
+             (torch.randn(1, 3, 96, generator=g), torch.tensor([[5, 6, 7]]), torch.full((1, 3), 8),
+              torch.tensor([[[True, False, False], [True, True, False], [True, False, True]]]), False)]
+    for i, (h, t, pos, mask, project) in enumerate(steps):
+        res = [b.draft_forward(h, t, pos, mask, project, 4) for b in (ob, tb)]
+        assert torch.allclose(res[0][0], res[1][0], atol=1e-4)
+        assert torch.allclose(res[0][1], res[1][1], atol=1e-4)
+        assert torch.equal(res[0][2], res[1][2])
+        if i == 0:
+            for b in (ob, tb):
+                b.draft_commit(torch.arange(8))
+    for b in (ob, tb):
+        b.draft_rollback()
+
+
+def _copy(engines, tmp_path, name="llama-eagle3"):
+    dst = tmp_path / name
+    shutil.copytree(engines[name], dst)
+    return dst
+
+
+def _edit_manifest(folder, fn):
+    m = json.loads((folder / MANIFEST).read_text())
+    fn(m)
+    (folder / MANIFEST).write_text(json.dumps(m))
+
+
+def test_missing_file(engines, tmp_path):
+    e = _copy(engines, tmp_path)
+    (e / "draft.onnx").unlink()
+    with pytest.raises(ModelError, match=r"is missing draft\.onnx: rebuild"):
+        OrtBackend(e)
+
+
+def test_corrupt_file(engines, tmp_path):
+    e = _copy(engines, tmp_path)
+    data = bytearray((e / "target.onnx").read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)        # same size: only the hash can tell
+    (e / "target.onnx").write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=r"target\.onnx is corrupt or comes from another engine"):
+        OrtBackend(e)
+    (e / "target.onnx").write_bytes(bytes(data[:1000]))          # truncated
+    with pytest.raises(ModelError, match=r"target\.onnx is corrupt \(1000 bytes"):
+        OrtBackend(e)
+    (e / MANIFEST).write_text("{not json")
+    with pytest.raises(ModelError, match="manifest.json is corrupt"):
+        OrtBackend(e)
+
+
+def test_truncated_graph_too_big_to_hash(engines, tmp_path):
+    """Above the hash limit only sizes are checked; a garbled graph still fails with one line when ORT loads it."""
+    e = _copy(engines, tmp_path)
+    data = (e / "draft.onnx").read_bytes()
+    (e / "draft.onnx").write_bytes(b"\x00garbage" * (len(data) // 8) + b"\x00" * (len(data) % 8))
+    with pytest.raises(ModelError, match=r"draft\.onnx cannot be loaded .*it is corrupt"):
+        OrtBackend(e, hash_limit=0)
+
+
+def test_other_format_version(engines, tmp_path):
+    e = _copy(engines, tmp_path)
+    _edit_manifest(e, lambda m: m.update(format_version=99))
+    with pytest.raises(ModelError, match=r"format version 99, this eaglex reads version 1: rebuild"):
+        OrtBackend(e)
+
+
+def test_draft_from_another_engine(engines, tmp_path):
+    """The draft graph of the Qwen2 engine copied into the Llama engine, with the file list updated too."""
+    e = _copy(engines, tmp_path)
+    shutil.copy(engines["qwen2-eagle1"] / "draft.onnx", e / "draft.onnx")
+    with pytest.raises(ModelError, match=r"draft\.onnx is corrupt .*rebuild the engine"):
+        OrtBackend(e)
+    files = read_manifest(engines["qwen2-eagle1"])["files"]
+    _edit_manifest(e, lambda m: m["files"].update({"draft.onnx": files["draft.onnx"]}))
+    with pytest.raises(ModelError, match=r"draft\.onnx belongs to another engine"):
+        OrtBackend(e)
+
+
+def test_draft_does_not_match_target(engines, tmp_path):
+    e = _copy(engines, tmp_path)
+    _edit_manifest(e, lambda m: m["target"].update(feature_size=96))
+    with pytest.raises(ModelError, match=r"the draft does not match the target \(the draft reads features of "
+                                         r"width 288 but the target gives 96\)"):
+        OrtBackend(e)
+    with pytest.raises(ModelError, match="holds an eagle3 draft head, not eagle1"):
+        OrtBackend(engines["llama-eagle3"], draft_kind="eagle1")
+
+
+def test_build_input_errors(engines, models, tmp_path):
+    with pytest.raises(ModelError, match="already exists: pass --force"):
+        build_engine(models["llama"], models["llama/eagle3"], engines["llama-eagle3"])
+    with pytest.raises(ModelError, match="backend 'tensorrt' cannot be built yet"):
+        build_engine(models["llama"], None, tmp_path / "e", backend="tensorrt")
+    with pytest.raises(ModelError, match="dtype 'bfloat16' is not available"):
+        build_engine(models["llama"], None, tmp_path / "e", dtype="bfloat16")
+    with pytest.raises(ModelError, match="does not exist"):
+        build_engine(tmp_path / "nope", None, tmp_path / "e")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    with pytest.raises(ModelError, match="is not an engine folder: refusing to replace it"):
+        build_engine(models["llama"], None, tmp_path / "notes", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]       # nothing half-built left behind
+
+
+def test_failed_build_keeps_old_engine(engines, models, tmp_path, monkeypatch):
+    import eaglex.engines.build as build
+
+    e = _copy(engines, tmp_path)
+    before = (e / MANIFEST).read_text()
+
+    def boom(*args, **kwargs):
+        (args[2] / "target.onnx").write_bytes(b"partial")
+        raise ModelError("simulated export failure")
+    monkeypatch.setattr(build, "_export", boom)
+    with pytest.raises(ModelError, match="simulated"):
+        build_engine(models["llama"], models["llama/eagle3"], e, force=True)
+    assert (e / MANIFEST).read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-eagle3"]
+
+
+def test_cli_engine_generate_and_errors(engines, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [3, 4, 5]}\n{"input_ids": [7]}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--engine", str(engines["llama-eagle3"]), "--prompts", str(prompts),
+                 "--max-new-tokens", "12", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["output_ids"] for r in rows)
+    assert main(["build", "--target", str(tmp_path), "--out", str(engines["llama-eagle3"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already exists: pass --force" in err[0]
+
+
+@pytest.mark.slow
+def test_export_memory(tmp_path):
+    """Building an engine for a 623 MB target holds at most 1.3x its weights (anonymous RSS over the baseline)."""
+    import subprocess
+    import sys
+
+    make = (
+        "import torch, sys\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,\n"
+        "    num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,\n"
+        "    tie_word_embeddings=False, eos_token_id=2, architectures=['LlamaForCausalLM'])\n"
+        "torch.manual_seed(0)\n"
+        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)\n")
+    subprocess.run([sys.executable, "-c", make, str(tmp_path / "big")], check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-m", "eaglex.export.memory_probe", str(tmp_path / "big"),
+                          str(tmp_path / "engine")], check=True, capture_output=True, text=True).stdout
+    report = json.loads(out)
+    assert report["peak_anon_x_weights"] <= 1.3, report
+    assert (tmp_path / "engine" / "target.onnx.data").is_file()       # weights streamed to external data

@@ -1,0 +1,232 @@
+"""training/: the trainers learn, TTT matches the inference chain, heads round-trip through the official loaders,
+a trained head beats a random one, train-draft works end to end, and the committed default (models/tiny) loads and
+decodes exactly like vanilla greedy."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglex.models.eagle import load_draft
+from eaglex.models.target import eagle3_taps, load_target
+from eaglex.runtime.backend import full_mask
+from eaglex.runtime.kv_cache import KVCache
+from eaglex.runtime.types import TreeConfig
+from eaglex.training import corpus, data, tokenizer
+from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
+from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
+from eaglex.training.eagle1 import head_config as eagle1_config
+from eaglex.training.eagle3 import Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, vocab_map
+from eaglex.training.heads import new_head, teacher
+from eaglex.training.loop import OptimConfig
+from eaglex.training.report import tau_table
+from eaglex.training.selfdistill import SelfDistillConfig, generate
+from eaglex.training.target import TargetConfig, train_target
+
+TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"
+FAST = OptimConfig(steps=40, lr=3e-3, warmup=5, checkpoint_every=0)
+
+
+def falls(losses: list[float], k: int = 5) -> bool:
+    return sum(losses[-k:]) / k < 0.9 * sum(losses[:k]) / k
+
+
+@pytest.fixture(scope="module")
+def llama(models):
+    return load_target(models["llama"])
+
+
+@pytest.fixture(scope="module")
+def selfdistill(llama):
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, llama.spec.vocab_size, (48, 8), generator=g).tolist()
+    return generate(llama.hf, prompts, SelfDistillConfig(new_tokens=40, batch=48))
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+
+def test_vocab_map_is_official():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = vocab_map(counts, 3)                 # top-3 by count, ties to the lower id: {2, 3, 5}
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]
+    assert d2t.tolist() == [2, 2, 3] and t2d.tolist() == [False, False, True, True, False, True]
+
+
+def test_corpus_split_is_by_path():
+    files = corpus.list_files()
+    assert files == sorted(files) and not any("/test/" in f or f.startswith("test/") for f in files)
+    held = [f for f in files if corpus.is_heldout(f, 50)]
+    assert 0 < len(held) < len(files) / 10
+    assert corpus.is_heldout(held[0], 50) and all(corpus.is_heldout(f, 50) == corpus.is_heldout(f, 50) for f in files)
+
+
+def test_ttt_step_s_equals_the_inference_chain(llama):
+    """Slot t of TTT step s == a draft chain of s steps after the context 0..t, run by DraftHead with a KV cache."""
+    llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+    torch.manual_seed(0)
+    head = new_head(llama, head_config(llama, Eagle3Config(draft_vocab_size=40), None), "eagle3")
+    T, S = 10, 4
+    n = T - 1
+    tokens = torch.randint(0, llama.spec.vocab_size, (1, T))
+    _, feats = teacher(llama, tokens)
+    with torch.no_grad():
+        kv, h, outs = [], head.fc(feats[:, :n]), []
+        for s in range(S):
+            ids = torch.zeros(1, n, dtype=torch.long)
+            ids[:, :n - s] = tokens[:, 1 + s:]
+            h = ttt_layer(head, h, ids, s, kv)
+            outs.append(h)
+        d = head.spec
+        for t in range(n):
+            cache = KVCache(1, 1, d.num_kv_heads, d.head_dim, 32, torch.float32)
+            x = head(feats[:, :t + 1], tokens[:, 1:t + 2], torch.arange(t + 1)[None], full_mask(None, 1, t + 1, 0, 0),
+                     cache, True)
+            cache.commit(torch.arange(t + 1))
+            torch.testing.assert_close(x[0, t], outs[0][0, t], atol=1e-5, rtol=1e-5)
+            x = x[:, -1:]
+            for s in range(1, min(S, n - t)):
+                x = head(x, tokens[:, t + 1 + s:t + 2 + s], torch.tensor([[t + s]]),
+                         full_mask(None, 1, 1, cache.length, cache.pending), cache, False)
+                torch.testing.assert_close(x[0, 0], outs[s][0, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_saved_head_loads_through_the_official_loader(llama, tmp_path, kind):
+    torch.manual_seed(1)
+    if kind == "eagle3":
+        llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+        config = head_config(llama, Eagle3Config(draft_vocab_size=40), 7)
+        head = new_head(llama, config, kind)
+        d2t, t2d = vocab_map(torch.arange(llama.spec.vocab_size), 40)
+        head.d2t.copy_(d2t)
+    else:
+        llama.set_features("eagle1")
+        config = eagle1_config(llama, Eagle1Config(), 7)
+        head = new_head(llama, config, kind)
+    with torch.no_grad():                             # the file stores float16: compare on representable weights
+        for p in head.parameters():
+            p.copy_(p.half().float())
+    if kind == "eagle3":
+        save_eagle3(head, config, t2d, tmp_path)
+        state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+        assert "embed_tokens.weight" not in state and state["t2d"].dtype == torch.bool and "midlayer.fc" not in state
+    else:
+        save_eagle1(head, config, llama, tmp_path)
+        state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+        assert "layers.0.self_attn.q_proj.weight" in state and "embed_tokens.weight" in state and "fc.bias" in state
+    loaded = load_draft(tmp_path, llama)
+    assert loaded.spec.kind == kind
+    n = 6
+    hidden = torch.randn(1, n, llama.feature_size)
+    ids = torch.randint(0, llama.spec.vocab_size, (1, n))
+    args = (hidden, ids, torch.arange(n)[None], full_mask(None, 1, n, 0, 0))
+    d = head.spec
+    with torch.no_grad():
+        want = head(*args, KVCache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+        got = loaded(*args, KVCache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if kind == "eagle3":
+        assert torch.equal(loaded.d2t, d2t)
+
+
+# ------------------------------------------------------------------------------------------------ trainers learn
+
+def test_target_and_draft_lm_trainers_learn(tmp_path):
+    files = [f for f in corpus.load() if f.path.startswith("json/")]
+    tok = tokenizer.train_tokenizer([f.text for f in files], tokenizer.TokenizerConfig(vocab_size=320))
+    tokenizer.save_tokenizer(tok, tmp_path / "tok")
+    assert tokenizer.load_tokenizer(tmp_path / "tok").eos_token_id == tok.token_to_id(tokenizer.EOS)
+    eos = tok.token_to_id(tokenizer.EOS)
+    stream = data.encode_files(files, tok, eos)
+    cfg = TargetConfig(hidden_size=64, num_layers=7, num_heads=2, num_kv_heads=1, intermediate_size=128, seq_len=64,
+                       batch=8, optim=FAST)
+    model, losses = train_target(cfg, stream, tok.get_vocab_size(), eos, tmp_path / "t.pt", threads=1)
+    assert falls(losses), losses
+    # resuming a finished run changes nothing
+    again, losses2 = train_target(cfg, stream, tok.get_vocab_size(), eos, tmp_path / "t.pt", threads=1)
+    assert losses2 == losses
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+    from eaglex.training.selfdistill import SelfDistillData
+    sd = SelfDistillData(torch.stack([stream[i:i + 64] for i in range(0, 64 * 16, 64)]), torch.full((16,), 8))
+    lm_cfg = DraftLMConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                           batch=8, optim=FAST)
+    _, lm_losses = train_draft_lm(lm_cfg, sd, stream, tok.get_vocab_size(), eos, threads=1)
+    assert falls(lm_losses), lm_losses
+
+
+def test_eagle3_and_eagle1_trainers_learn(llama, selfdistill):
+    _, _, _, l3 = train_eagle3(llama, selfdistill, Eagle3Config(draft_vocab_size=40, ttt_steps=3, batch=8, optim=FAST),
+                               threads=1)
+    assert falls(l3), l3
+    _, _, l1 = train_eagle1(llama, selfdistill, Eagle1Config(batch=8, optim=FAST), threads=1)
+    assert falls(l1), l1
+
+
+def test_trained_head_beats_a_random_head(llama, selfdistill, models, tmp_path):
+    cfg = Eagle3Config(draft_vocab_size=40, ttt_steps=3, batch=8, optim=replace(FAST, steps=60))
+    head, config, t2d, _ = train_eagle3(llama, selfdistill, cfg, threads=1)
+    save_eagle3(head, config, t2d, tmp_path / "trained")
+    torch.manual_seed(3)
+    random_head = new_head(llama, config, "eagle3")
+    random_head.d2t.copy_(head.d2t)
+    save_eagle3(random_head, config, t2d, tmp_path / "random")
+    prompts = selfdistill.tokens[:4, :8].tolist()
+    rows = tau_table(models["llama"], {"trained": tmp_path / "trained", "random": tmp_path / "random"}, prompts,
+                     {"chain": TreeConfig("chain", depth=3)}, max_new_tokens=24, progress=False)
+    tau = {r.draft: r.tau for r in rows}
+    assert all(r.identical == r.prompts for r in rows)
+    assert tau["trained"] > tau["random"] + 0.5, tau
+
+
+def test_train_draft_end_to_end(models, tmp_path, monkeypatch):
+    from eaglex.cli import main
+    from eaglex.training import train_draft as td
+
+    g = torch.Generator().manual_seed(5)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(20):
+            f.write(json.dumps({"input_ids": torch.randint(0, 48, (10,), generator=g).tolist()}) + "\n")
+    small = functools.partial(td.TrainDraftConfig, eval_prompts=2, eval_new_tokens=8,
+                              selfdistill=SelfDistillConfig(new_tokens=16))
+    monkeypatch.setattr(td, "TrainDraftConfig", small)
+    monkeypatch.setattr(td, "SHAPES", {"chain": TreeConfig("chain", depth=2)})
+    out = tmp_path / "head"
+    assert main(["train-draft", "--target", str(models["llama"]), "--data", str(tmp_path / "data.jsonl"),
+                 "--out", str(out), "--method", "eagle1", "--steps", "3"]) == 0
+    assert load_draft(out, load_target(models["llama"])).spec.kind == "eagle1"
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 3 and report["tau"][0]["identical"] == 2
+    assert (out / "checkpoints" / "eagle1.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ the default
+
+@pytest.mark.skipif(not (TINY / "target" / "config.json").is_file(), reason="models/tiny not built (make tiny)")
+@pytest.mark.parametrize("head", ["eagle3", "eagle1"])
+def test_committed_default_is_lossless(head):
+    from eaglex.prompts import read_prompts
+    from eaglex.runtime.equivalence import check_greedy
+    from eaglex.runtime.torch_backend import TorchBackend
+
+    backend = TorchBackend(TINY / "target", TINY / head)
+    assert backend.draft_kind == head
+    prompts = read_prompts(TINY / "prompts.jsonl", None)[:3]
+    tree = TreeConfig("dynamic", total_tokens=16, depth=5, top_k=4)
+    rows = check_greedy(backend, tree, prompts, 48)
+    assert all(r.identical for r in rows)
+    assert sum(r.tau for r in rows) / len(rows) > (2.0 if head == "eagle3" else 1.5)
+
+
+@pytest.mark.skipif(not (TINY / "draft_lm" / "config.json").is_file(), reason="models/tiny not built (make tiny)")
+def test_committed_draft_lm_and_tokenizer_load():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY / "target")
+    assert tok.decode(tok("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
+    lm = AutoModelForCausalLM.from_pretrained(TINY / "draft_lm")
+    assert lm.config.vocab_size == len(tok) and lm.config.num_hidden_layers <= 2
