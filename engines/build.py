@@ -95,7 +95,7 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
     meta = {"eaglex.engine_id": engine_id, "eaglex.format_version": str(FORMAT_VERSION)}
 
     target_section, draft_section, graphs, references = _export(target_dir, draft_dir, tmp, dtype, meta, progress)
-    gc.collect()                               # torch's weights are gone before ORT loads its own copy
+    _release_memory()                          # torch's weights are gone before ORT loads its own copy
     parity = _check(tmp, graphs, references, dtype, progress)
 
     for src in (target_dir / f for f in CONFIG_FILES + TOKENIZER_FILES):
@@ -161,9 +161,9 @@ def _check(tmp: Path, graphs: dict, references: dict, dtype: str, progress: bool
     import onnxruntime as ort
 
     from eaglex.export.parity import compare
+    from eaglex.runtime.ort_session import session_options
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so = session_options()
     parity = {}
     total = sum(len(c) for c in references.values())
     with tqdm(total=total, desc="check", unit="case", disable=not progress, file=sys.stderr) as bar:
@@ -176,6 +176,17 @@ def _check(tmp: Path, graphs: dict, references: dict, dtype: str, progress: bool
             parity[name] = compare(name, sess, cases, dtype, bar).to_json()
             del sess
     return parity
+
+
+def _release_memory() -> None:
+    """Collect, then hand freed heap pages back to the OS: glibc keeps freed weight-sized blocks in its arenas,
+    where ORT's own allocations did not reuse them (measured: +0.8x the weights at the parity check without this)."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):           # not glibc: nothing to trim
+        pass
 
 
 def _source_hashes(folder: Path, progress: bool) -> dict[str, str]:

@@ -16,6 +16,8 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
+from .ort_session import session_options
+
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 _ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
@@ -32,10 +34,7 @@ def gather_session(count: int, dtype: str) -> ort.InferenceSession:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     model.ir_version = 10
     onnx.checker.check_model(model)
-    so = ort.SessionOptions()
-    so.use_per_session_threads = False
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
 
 
 class OrtKVCache:

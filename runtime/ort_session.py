@@ -46,18 +46,26 @@ def use_global_pool(threads: int | None = None) -> int:
     return _pool_threads
 
 
-def open_session(path: Path, engine_id: str, graph: str) -> ort.InferenceSession:
-    """A CPU session on the global pool for one engine graph; checks that the graph belongs to the engine."""
+def session_options() -> ort.SessionOptions:
+    """Options for any session of this process: on the global pool (once that exists ORT refuses sessions with
+    their own threads, so the build's parity check uses it too)."""
+    use_global_pool()
     so = ort.SessionOptions()
     so.use_per_session_threads = False
     so.log_severity_level = 3
+    return so
+
+
+def open_session(path: Path, engine_id: str, graph: str) -> ort.InferenceSession:
+    """A CPU session on the global pool for one engine graph; checks that the graph belongs to the engine."""
     try:
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT raises its own types for a truncated or garbled protobuf
         raise ModelError(f"engine file {path} cannot be loaded ({str(e).splitlines()[0][:200]}): it is corrupt; "
                          "rebuild the engine with `eaglex build --force`") from None
     meta = sess.get_modelmeta().custom_metadata_map
     if meta.get("eaglex.engine_id") != engine_id or meta.get("eaglex.graph") != graph:
         raise ModelError(f"engine file {path} belongs to another engine (id {meta.get('eaglex.engine_id')}, graph "
-                         f"{meta.get('eaglex.graph')}; this engine is {engine_id}): rebuild with `eaglex build --force`")
+                         f"{meta.get('eaglex.graph')}; this engine is {engine_id}): "
+                         "rebuild with `eaglex build --force`")
     return sess

@@ -10,7 +10,7 @@ and ancestor indices increase along every root-to-leaf path.
 """
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from dataclasses import dataclass
 
@@ -28,48 +28,48 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
-    """tokens [N] int64, parents [N] int64 (parents[0] == -1, 0 <= parents[i] < i) -> DraftTree."""
+    """tokens [N] int64, parents [N] int64 (parents[0] == -1, 0 <= parents[i] < i) -> DraftTree.
+
+    Trees hold tens of nodes and this runs once per cycle, so the work is done in numpy on the host: each torch op
+    costs ~5-10 us of dispatch at this size, which used to be most of the loop's per-cycle overhead.
+    """
     if tokens.dim() != 1 or parents.shape != tokens.shape or tokens.numel() == 0:
         raise ValueError(f"tokens and parents must be equal non-empty 1-D tensors, got "
                          f"{tuple(tokens.shape)} and {tuple(parents.shape)}")
-    n = tokens.shape[0]
-    parents = parents.long()
-    idx = torch.arange(n, device=parents.device)
-    if int(parents[0]) != -1:
-        raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {int(parents[0])}")
-    bad = (parents[1:] < 0) | (parents[1:] >= idx[1:])
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0]) + 1
-        raise ValueError(f"node {i} has parent {int(parents[i])}; need 0 <= parents[i] < i")
+    device = tokens.device
+    par = parents.detach().to("cpu", torch.long).numpy()
+    n = par.shape[0]
+    idx = np.arange(n)
+    if par[0] != -1:
+        raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {int(par[0])}")
+    bad = (par[1:] < 0) | (par[1:] >= idx[1:])
+    if bad.any():
+        i = int(bad.nonzero()[0][0]) + 1
+        raise ValueError(f"node {i} has parent {int(par[i])}; need 0 <= parents[i] < i")
 
     # Pointer jumping, one step per depth level: cur[i] walks from i up to the root, marking each ancestor.
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
-    cur = parents.clone()
-    while bool((cur >= 0).any()):
-        live = cur >= 0
+    mask = np.eye(n, dtype=bool)
+    cur = par.copy()
+    live = cur >= 0
+    while live.any():
         mask[idx[live], cur[live]] = True
-        cur = torch.where(live, parents[cur.clamp(min=0)], cur)
-    depths = mask.sum(dim=1) - 1
+        cur = np.where(live, par[np.maximum(cur, 0)], cur)
+        live = cur >= 0
+    depths = mask.sum(1) - 1
 
     # A leaf is nobody's parent. Its ancestors-or-self sorted by index are its root->leaf path (indices increase
     # with depth); absent columns sort last as n, which also makes n act as +inf in the row ordering below.
-    is_parent = torch.zeros(n, dtype=torch.bool, device=parents.device)
-    is_parent[parents[1:]] = True
-    leaves = (~is_parent).nonzero().squeeze(-1)
+    is_parent = np.zeros(n, dtype=bool)
+    is_parent[par[1:]] = True
+    leaves = (~is_parent).nonzero()[0]
     width = int(depths.max()) + 1
-    rows = torch.where(mask[leaves], idx, n).sort(dim=-1).values[:, :width]  # [num_leaves, max_depth + 1]
-
-    # Lexicographic row order, like the official retrieve_indices. Entries are < n + 1, so a row read as a number
-    # in base n + 1 is one int64 sort key while it fits (n=60: up to depth 9); otherwise stable sorts per column.
-    if width * math.log2(n + 1) < 62:
-        weights = (n + 1) ** torch.arange(width - 1, -1, -1, device=rows.device)
-        order = torch.argsort((rows * weights).sum(-1))
-    else:
-        order = torch.arange(rows.shape[0], device=rows.device)
-        for c in range(width - 1, -1, -1):
-            order = order[torch.sort(rows[order, c], stable=True).indices]
-    paths = rows[order].masked_fill(rows[order] == n, PLACEHOLDER)
-    return DraftTree(tokens=tokens.long(), parents=parents, depths=depths, mask=mask, paths=paths)
+    rows = np.sort(np.where(mask[leaves], idx, n), axis=1)[:, :width]      # [num_leaves, max_depth + 1]
+    # Lexicographic row order, like the official retrieve_indices (lexsort's last key is the primary one).
+    rows = rows[np.lexsort(rows.T[::-1])]
+    paths = np.where(rows == n, PLACEHOLDER, rows)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return DraftTree(tokens=tokens.long(), parents=t(par), depths=t(depths.astype(np.int64)), mask=t(mask),
+                     paths=t(paths.astype(np.int64)))
 
 
 def next_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -92,25 +92,28 @@ def select_dynamic(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
                          f"{tuple(tokens.shape)}, {tuple(parents.shape)}")
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1 (the root), got {num_nodes}")
-    cand = torch.arange(c, device=scores.device)
-    if bool(((parents < -1) | (parents >= cand)).any()):
+    # Host-side numpy for the same reason as tree_from_parents: C is ~100-700, the per-op dispatch dominates.
+    s_np = scores.detach().to("cpu", torch.float32).numpy()
+    p_np = parents.detach().to("cpu", torch.long).numpy()
+    if ((p_np < -1) | (p_np >= np.arange(c))).any():
         raise ValueError("candidate parents must satisfy -1 <= parents[c] < c")
 
     m = min(num_nodes - 1, c)
-    keep = next_frontier(scores, m).sort().values                   # [M] candidate indices in draft order
-    slot = torch.full((c,), -1, dtype=torch.long, device=scores.device)
-    slot[keep] = torch.arange(1, m + 1, device=scores.device)      # candidate -> node index (root is node 0)
-    par = parents[keep].long()
-    node_par = torch.where(par < 0, 0, slot[par.clamp(min=0)])
+    keep = np.sort(np.argsort(-s_np, kind="stable")[:m])            # [M] best first, ties to the lower index
+    slot = np.full(c, -1, dtype=np.int64)
+    slot[keep] = np.arange(1, m + 1)                                 # candidate -> node index (root is node 0)
+    par = p_np[keep]
+    node_par = np.where(par < 0, 0, slot[np.maximum(par, 0)])
     lost = node_par < 0
-    if bool(lost.any()):
+    if lost.any():
         # The official code would silently attach such a node to the wrong slot (eagle.md 3.2); refuse instead.
         bad = int(keep[lost][0])
-        raise ValueError(f"disconnected selection: candidate {bad} kept but its parent {int(parents[bad])} was not "
+        raise ValueError(f"disconnected selection: candidate {bad} kept but its parent {int(p_np[bad])} was not "
                          f"(scores must not increase along a path)")
-    root = torch.full((1,), root_token, dtype=torch.long, device=tokens.device)
-    node_tokens = torch.cat([root, tokens[keep].long()])
-    node_parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=par.device), node_par])
+    keep_t = torch.from_numpy(keep).to(tokens.device)
+    node_tokens = torch.cat([torch.tensor([root_token], dtype=torch.long, device=tokens.device),
+                             tokens[keep_t].long()])
+    node_parents = torch.from_numpy(np.concatenate([[-1], node_par]))
     return tree_from_parents(node_tokens, node_parents)
 
 
