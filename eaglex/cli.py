@@ -153,7 +153,7 @@ def resolve(args) -> tuple:
         from eaglex.runtime.ort_backend import OrtBackend    # noqa: PLC0415 - optional until engines are used
         if args.target or args.draft:
             raise ModelError("give either --engine or --target/--draft, not both")
-        backend = OrtBackend(args.engine)
+        backend = OrtBackend(args.engine, draft_kind=args.draft_kind)
     elif args.target is not None:
         from eaglex.runtime.torch_backend import TorchBackend
         backend = TorchBackend(args.target, args.draft, args.dtype, args.draft_kind)
@@ -190,9 +190,14 @@ def _prompts(args, backend) -> tuple[list[list[int]], object]:
 
 
 def _auto_tree(backend, tree, prompts):
-    """Resolve --tree auto by measuring on (up to) the first 4 prompts."""
+    """Resolve --tree auto: the shape `eaglex engine` measured for this engine, else measure on the first prompts."""
     if tree is not None:
         return tree
+    from eaglex.runtime.types import TreeConfig
+    tuned = (getattr(backend, "manifest", None) or {}).get("tuned_tree")
+    if tuned:
+        print(f"--tree auto: {tuned['label']} (measured when the engine was tuned)", file=sys.stderr)
+        return TreeConfig(**tuned["tree"])
     from eaglex.bench import tree_label
     from eaglex.runtime.autotune import autotune
     best, rows = autotune(backend, prompts[:4], max_new_tokens=32)
@@ -371,6 +376,33 @@ def cmd_bench(args) -> int:
     return 0 if all(r["identical_to_vanilla"] for r in rows) else 1
 
 
+def _tune_engine(backend, engine_dir, prompts):
+    """The engine's tuned tree: measured once (a ladder of chains and trees, see runtime/autotune.py) and kept in
+    the manifest so that `--tree auto` and deployments reuse it."""
+    import dataclasses
+
+    from eaglex.bench import machine, tree_label
+    from eaglex.engines.manifest import read_manifest, write_manifest
+    from eaglex.runtime.autotune import autotune
+    from eaglex.runtime.types import TreeConfig
+
+    manifest = read_manifest(engine_dir) if engine_dir else {}
+    if manifest.get("tuned_tree"):
+        return TreeConfig(**manifest["tuned_tree"]["tree"])
+    print("tuning the tree on this machine (vanilla vs chains and trees, interleaved) ...")
+    best, rows = autotune(backend, prompts[:4], max_new_tokens=32)
+    for r in rows:
+        label = "vanilla" if r is rows[0] else tree_label(r.tree)
+        print(f"  {label:<22} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
+    print(f"  -> {tree_label(best)}")
+    if engine_dir:
+        manifest["tuned_tree"] = {"tree": dataclasses.asdict(best), "label": tree_label(best), "machine": machine(),
+                                  "tokens_per_s": {("vanilla" if r is rows[0] else tree_label(r.tree)):
+                                                   round(r.tokens_per_s, 2) for r in rows}}
+        write_manifest(engine_dir, manifest)
+    return best
+
+
 def cmd_engine(args) -> int:
     """Build (or reuse) the preset's engine, run the equivalence check, then a side-by-side demo."""
     from eaglex.engines.manifest import read_manifest
@@ -409,8 +441,7 @@ def cmd_engine(args) -> int:
     texts = BUILTIN_PROMPTS
     prompts = [encode({"prompt": t}, tok, False, "builtin prompt") for t in texts] if tok else \
         [[(7 * i + j) % backend.spec.vocab_size for j in range(1, 9)] for i in range(len(texts))]
-    tree = TreeConfig(**(read_manifest(out).get("default_tree") or {})) if backend_name == "onnxruntime" and \
-        read_manifest(out).get("default_tree") else TreeConfig("dynamic", 8, 4, 3)
+    tree = _tune_engine(backend, out if backend_name == "onnxruntime" else None, prompts)
     rows = check_greedy(backend, tree, prompts, args.max_new_tokens)
     bad = [r.index for r in rows if not r.identical]
     taus = [r.tau for r in rows if r.speculative.cycles]

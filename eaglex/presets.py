@@ -78,9 +78,10 @@ def resolve_weights(repo: str, folder: str | Path | None, what: str, env_var: st
 
 def preset_folders(preset: Preset, model_dir=None, draft_dir=None) -> tuple[Path, Path]:
     if preset.local:
-        target, draft = REPO_ROOT / preset.target_repo, REPO_ROOT / preset.draft_repo
+        target = Path(model_dir) if model_dir else REPO_ROOT / preset.target_repo
+        draft = Path(draft_dir) if draft_dir else REPO_ROOT / preset.draft_repo
         if not (target / "config.json").is_file():
             raise ModelError(f"{target} is missing: run `make tiny` to regenerate the embedded default")
-        return Path(model_dir or target), Path(draft_dir or draft)
+        return target, draft
     return (resolve_weights(preset.target_repo, model_dir, "target", "MODEL_DIR"),
             resolve_weights(preset.draft_repo, draft_dir, "EAGLE head", "DRAFT_DIR"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from eaglex.models.errors import ModelError
@@ -30,7 +31,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    """Atomic: a crash leaves the old manifest or the new one, never half of one."""
+    path = Path(folder) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def read_manifest(folder: str | Path) -> dict:
