@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--model", default="tiny", help="preset name (tiny, llama3-8b, llama3-70b, ...)")
     eng.add_argument("--model-dir", type=Path, help="local folder of the target (else HF cache, else download)")
     eng.add_argument("--draft-dir", type=Path, help="local folder of the EAGLE head (else HF cache, else download)")
-    eng.add_argument("--backend", choices=("onnxruntime", "torch"), help="default: the preset's")
+    eng.add_argument("--backend", choices=("onnxruntime", "torch", "tensorrt-llm"), help="default: the preset's")
     eng.add_argument("--out", type=Path, help="engine folder (default: engines/MODEL)")
     eng.add_argument("--force", action="store_true", help="rebuild even if the engine exists")
     eng.add_argument("--max-new-tokens", type=int, default=48)
@@ -403,6 +403,36 @@ def _tune_engine(backend, engine_dir, prompts):
     return best
 
 
+def _engine_trtllm(preset, target_dir, draft_dir, out, force) -> int:
+    """TensorRT-LLM presets: write the bundle (FP8 + tensor parallel over the visible GPUs); on a machine with
+    TensorRT-LLM also check EAGLE against vanilla there, elsewhere say where it runs."""
+    from eaglex.engines import trtllm
+
+    gpus = 0
+    try:
+        import torch
+        gpus = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no CUDA build: count as none
+        pass
+    tp = max(gpus, 1)
+    cfg = trtllm.TrtllmConfig(quant=preset.quant, tp=tp)
+    if (out / "manifest.json").is_file() and not force:
+        print(f"reusing {out} (pass FORCE=1 to rebuild)")
+    else:
+        print(trtllm.summary(trtllm.build_trtllm_bundle(target_dir, draft_dir, out, cfg, None, True), out))
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError:
+        print(f"TensorRT-LLM is not installed here: run `eaglex check --engine {out} --prompts FILE` on a machine "
+              f"with it ({preset.hardware}); the bundle is ready to copy there")
+        return 0
+    from eaglex.prompts import BUILTIN_PROMPTS
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("".join(json.dumps({"prompt": t}) + "\n" for t in BUILTIN_PROMPTS))
+    return main(["check", "--engine", str(out), "--prompts", f.name, "--max-new-tokens", "64"])
+
+
 def cmd_engine(args) -> int:
     """Build (or reuse) the preset's engine, run the equivalence check, then a side-by-side demo."""
     from eaglex.engines.manifest import read_manifest
@@ -414,12 +444,10 @@ def cmd_engine(args) -> int:
 
     preset = get_preset(args.model)
     backend_name = args.backend or preset.backend
-    if backend_name not in ("onnxruntime", "torch"):
-        raise ModelError(f"MODEL={preset.name} defaults to the {backend_name} backend ({preset.hardware}); "
-                         f"build it with `eaglex build --backend {backend_name}` on such a machine, or pass "
-                         "BACKEND=onnxruntime")
     target_dir, draft_dir = preset_folders(preset, args.model_dir, args.draft_dir)
     out = args.out or Path("engines") / preset.name
+    if backend_name == "tensorrt-llm":
+        return _engine_trtllm(preset, target_dir, draft_dir, out, args.force)
     if backend_name == "onnxruntime":
         from eaglex.engines.build import build_engine, summary
         from eaglex.runtime.ort_backend import OrtBackend
