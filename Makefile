@@ -27,7 +27,17 @@ test: $(STAMP)   ## run the test suite CI runs (slow extras skipped)
 test-all: $(STAMP)  ## run every test, slow ones included
 	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
-engine: $(STAMP) ## build + check the engine of MODEL (default tiny) with BACKEND, print a demo (FORCE=1 rebuilds)
+# Without the trained default (models/tiny), MODEL=tiny falls back to a seeded preset built by tests/fixtures.py.
+ifeq ($(MODEL)$(wildcard models/tiny/target/config.json),tiny)
+MODEL_DIR ?= build/seeded/target
+DRAFT_DIR ?= build/seeded/eagle3
+SEEDED := build/seeded/eagle3/config.json
+endif
+
+build/seeded/eagle3/config.json: | $(STAMP)
+	$(BIN)/python tests/seeded_preset.py build/seeded
+
+engine: $(STAMP) $(SEEDED) ## build + check the engine of MODEL (default tiny) with BACKEND, print a demo (FORCE=1 rebuilds)
 	$(BIN)/eaglex engine --model $(MODEL) --backend $(BACKEND) $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) \
 		$(if $(DRAFT_DIR),--draft-dir $(DRAFT_DIR)) $(if $(FORCE),--force)
 

@@ -394,7 +394,10 @@ def _tune_engine(backend, engine_dir, prompts):
     for r in rows:
         label = "vanilla" if r is rows[0] else tree_label(r.tree)
         print(f"  {label:<22} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
-    print(f"  -> {tree_label(best)}")
+    best_row = next(r for r in rows[1:] if r.tree == best)
+    note = "" if best_row.tokens_per_s > rows[0].tokens_per_s else \
+        " (vanilla is faster here: this model is too small for drafting to pay off on this machine)"
+    print(f"  -> {tree_label(best)}{note}")
     if engine_dir:
         manifest["tuned_tree"] = {"tree": dataclasses.asdict(best), "label": tree_label(best), "machine": machine(),
                                   "tokens_per_s": {("vanilla" if r is rows[0] else tree_label(r.tree)):
@@ -473,8 +476,9 @@ def cmd_engine(args) -> int:
     rows = check_greedy(backend, tree, prompts, args.max_new_tokens)
     bad = [r.index for r in rows if not r.identical]
     taus = [r.tau for r in rows if r.speculative.cycles]
+    from eaglex.bench import tree_label
     print(f"check: {len(rows) - len(bad)}/{len(rows)} prompts identical to vanilla on {backend_name} "
-          f"(tree {tree.kind} {tree.total_tokens}/{tree.depth}/{tree.top_k}), mean tau {sum(taus) / len(taus):.2f}")
+          f"(tree {tree_label(tree)}), mean tau {sum(taus) / len(taus):.2f}")
     if bad:
         print(f"eaglex: error: speculative output differs from vanilla on prompts {bad}", file=sys.stderr)
         return 1

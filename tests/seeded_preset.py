@@ -1,0 +1,18 @@
+"""The seeded stand-in for the embedded default: `make engine` uses it only when models/tiny is absent (a checkout
+without the trained default). Writes a target and an EAGLE-3 head built by tests/fixtures.py into OUT.
+
+Run: .venv/bin/python tests/seeded_preset.py OUT
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import make_eagle3_head, make_llama_target  # noqa: E402
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    target = make_llama_target(out / "target")
+    make_eagle3_head(target, out / "eagle3", draft_vocab_size=40)
+    print(f"seeded preset in {out}")
