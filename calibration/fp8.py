@@ -25,7 +25,6 @@ import contextlib
 import copy
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eaglex.engines.staging import check_out, staged
 from eaglex.models.errors import ModelError
 
 from .data import TextWindows, load_windows
@@ -140,10 +140,7 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
         "quality": quality, "quantizers": quantizers, "draft": draft_report,
         "tools": _versions(),
     }
-    tmp = out.parent / f".{out.name}.calibrating-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with staged(out) as tmp:
         if not getattr(model.config, "architectures", None):       # export reads it (env.md §1)
             model.config.architectures = [spec.arch]
         with torch.no_grad(), _stdout_to_stderr(), warnings.catch_warnings():
@@ -154,10 +151,6 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
                 shutil.copy2(target_dir / name, tmp / name)
         report["seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 
@@ -302,39 +295,18 @@ def write_fp8_head(head, src: Path, out: Path, force: bool) -> None:
     cfg = json.loads((src / "config.json").read_text())
     qc = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded)}
     cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
-    tmp = out.parent / f".{out.name}.writing-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "eaglex", "version": _versions().get("eaglex")}, "quantization": qc}, indent=2)
             + "\n")
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------------- misc
 
 def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise ModelError(f"{out} already exists: pass --force to replace it")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (
-            (out / REPORT).is_file() or (out / "hf_quant_config.json").is_file()))):
-        raise ModelError(f"{out} exists and is not a calibrated checkpoint: refusing to replace it, even with --force")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    check_out(out, force, (REPORT, "hf_quant_config.json"), "a calibrated checkpoint")
 
 
 @contextlib.contextmanager

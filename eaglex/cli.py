@@ -424,7 +424,7 @@ def _engine_trtllm(preset, target_dir, draft_dir, out, force) -> int:
     else:
         print(trtllm.summary(trtllm.build_trtllm_bundle(target_dir, draft_dir, out, cfg, None, True), out))
     try:
-        import tensorrt_llm  # noqa: F401
+        import tensorrt_llm  # noqa: F401 - only whether it is installed
     except ImportError:
         print(f"TensorRT-LLM is not installed here: run `eaglex check --engine {out} --prompts FILE` on a machine "
               f"with it ({preset.hardware}); the bundle is ready to copy there")
@@ -443,7 +443,6 @@ def cmd_engine(args) -> int:
     from eaglex.presets import get_preset, preset_folders
     from eaglex.runtime.equivalence import check_greedy
     from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
-    from eaglex.runtime.types import TreeConfig
 
     preset = get_preset(args.model)
     backend_name = args.backend or preset.backend

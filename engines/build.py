@@ -15,7 +15,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
 import platform
 import resource
 import shutil
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from eaglex.models.errors import ModelError
 
+from .staging import check_out, staged
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
@@ -48,40 +48,12 @@ def build_engine(target_dir, draft_dir, out_dir, backend: str = "onnxruntime", d
         raise ModelError(f"dtype {dtype!r} is not available for ONNX Runtime engines; choose {' or '.join(DTYPES)}")
     target_dir, out = Path(target_dir), Path(out_dir)
     draft_dir = Path(draft_dir) if draft_dir is not None else None
-    _check_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    check_out(out, force, (MANIFEST,), "an engine folder")
+    with staged(out) as tmp:
         manifest = _build(target_dir, draft_dir, tmp, dtype, progress)
         manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
         write_manifest(tmp, manifest)
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if not out.exists():
-        return
-    if not force:
-        raise ModelError(f"{out} already exists: pass --force to replace it")
-    if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file()):
-        raise ModelError(f"{out} exists and is not an engine folder: refusing to replace it, even with --force")
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place; an old engine is moved aside first and deleted last."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, progress: bool) -> dict:

@@ -35,6 +35,7 @@ from pathlib import Path
 from eaglex.models.errors import ModelError
 
 from .manifest import FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file, write_manifest
+from .staging import check_out, staged
 
 BACKEND = "tensorrt-llm"
 OPTIONS_FILE = "llm_api_options.yaml"
@@ -87,17 +88,13 @@ def build_trtllm_bundle(target_dir, draft_dir, out_dir, cfg: TrtllmConfig = Trtl
     if draft_dir is None:
         raise ModelError("a TensorRT-LLM bundle serves EAGLE-3: give --draft DIR (an EAGLE-3 head)")
     draft_dir = Path(draft_dir)
-    _check_out(out, force)
+    check_out(out, force, (MANIFEST,), "a TensorRT-LLM bundle")
     target_cfg = _read_json(target_dir / "config.json", "target")
     arch = (target_cfg.get("architectures") or ["?"])[0]
     if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         raise ModelError(f"{target_dir}: architecture {arch} is not one eaglex bundles for TensorRT-LLM")
     _check_parallel(target_cfg, cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged(out) as tmp:
         quant = _write_target(target_dir, tmp / TARGET, cfg, calibrated_dir, progress)
         draft = _write_draft(draft_dir, tmp / DRAFT, target_cfg)
         options = llm_api_options(cfg, draft["eagle3_layers_to_capture"])
@@ -106,26 +103,7 @@ def build_trtllm_bundle(target_dir, draft_dir, out_dir, cfg: TrtllmConfig = Trtl
         manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
         write_manifest(tmp, manifest)
         validate_bundle(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if not out.exists():
-        return
-    if not force:
-        raise ModelError(f"{out} already exists: pass --force to replace it")
-    if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file()):
-        raise ModelError(f"{out} exists and is not an engine folder: refusing to replace it, even with --force")
 
 
 def _read_json(path: Path, what: str) -> dict:

@@ -98,7 +98,6 @@ class Target(nn.Module):
         Returns logits [B,N,V] float32 (or [B,1,V] when logits_rows == "last", [B,R,V] for a tensor of R row
         indices) and features [B,N,F].
         """
-        spec = self.spec
         x = self.inner.embed_tokens(input_ids)                             # [B,N,H]
         cos, sin = self.inner.rotary_emb(x, position_ids)                  # [B,N,D] each
         taps = []
@@ -131,7 +130,8 @@ class Target(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)                        # [B,heads,N,D]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         k_all, v_all = cache.update(index, k, v)                           # [B,Hkv,T,D]
-        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask,
+                                           enable_gqa=spec.num_heads != spec.num_kv_heads)  # MHA: see eagle.py
         return attn.o_proj(o.transpose(1, 2).reshape(B, N, spec.num_heads * spec.head_dim))
 
 
