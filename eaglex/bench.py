@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -35,19 +36,48 @@ class Row:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     predicted_speedup: float | None = None
+    # the decode phase (after the prefill; eaglex rows only): what the cost model predicts
+    decode_seconds: float = 0.0
+    baseline_decode_seconds: float = 0.0
+    decode_target_seconds: float = 0.0
+    decode_draft_seconds: float = 0.0
+    requests: int = 0
+
+    def add(self, r, baseline) -> None:
+        """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
+        self.requests += 1
+        self.tokens += len(r.output_ids)
+        self.seconds += r.seconds
+        self.baseline_seconds += baseline.seconds
+        self.accept_lengths += r.accept_lengths
+        self.cycles += r.cycles
+        self.target_seconds += r.target_seconds
+        self.draft_seconds += r.draft_seconds
+        self.decode_seconds += r.decode_seconds
+        self.baseline_decode_seconds += baseline.decode_seconds
+        self.decode_target_seconds += r.target_seconds - r.prefill_target_seconds
+        self.decode_draft_seconds += r.draft_seconds - r.prefill_draft_seconds
 
     def as_dict(self) -> dict:
         tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else 1.0
         hist = {str(k): self.accept_lengths.count(k) for k in sorted(set(self.accept_lengths))}
         per_cycle = lambda s: round(1e3 * s / self.cycles, 3) if self.cycles else None  # noqa: E731
-        other = self.seconds - self.target_seconds - self.draft_seconds
+        ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
+        if self.decode_seconds:     # per-cycle split of the decode phase: what one cycle costs
+            target, draft, total = self.decode_target_seconds, self.decode_draft_seconds, self.decode_seconds
+        else:
+            target, draft, total = self.target_seconds, self.draft_seconds, self.seconds
+        decode_speedup = ratio(self.baseline_decode_seconds, self.decode_seconds)
         return {"engine": self.engine, "method": self.method, "tree": self.tree, "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
-                "speedup": round(self.baseline_seconds / self.seconds, 3) if self.seconds else None,
+                "speedup": ratio(self.baseline_seconds, self.seconds),
+                "decode_tokens_per_s": ratio(self.tokens - self.requests, self.decode_seconds),
+                "decode_speedup": decode_speedup,
                 "identical_to_vanilla": self.identical, "tau": round(tau, 3), "tau_histogram": hist,
-                "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(self.draft_seconds),
-                "verify_ms_per_cycle": per_cycle(self.target_seconds), "other_ms_per_cycle": per_cycle(other),
-                "predicted_speedup": self.predicted_speedup}
+                "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(draft),
+                "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
+                "predicted_speedup": self.predicted_speedup,
+                "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup)}
 
 
 def tree_label(t: TreeConfig) -> str:
@@ -65,8 +95,10 @@ def machine() -> dict:
 
 
 def run_backend(name: str, backend, trees: list[TreeConfig], prompts: list[list[int]], max_new_tokens: int,
-                method: str) -> list[Row]:
-    """Vanilla and every tree on one backend, interleaved per prompt; outputs checked against vanilla."""
+                method: str, sampler: CostSampler | None = None) -> list[Row]:
+    """Vanilla and every tree on one backend, interleaved per prompt (in a seeded random order); outputs checked
+    against vanilla. With a `sampler`, one cost-model round follows every prompt, so that the prediction sees the
+    same load as the runs."""
     vanilla = VanillaGenerator(backend)
     specs = [SpeculativeGenerator(backend, t) for t in trees]
     base = Row(name, "vanilla", "-")
@@ -74,23 +106,20 @@ def run_backend(name: str, backend, trees: list[TreeConfig], prompts: list[list[
     vanilla.generate(prompts[0], 8)                      # warm-up: allocations, lazy inits, caches
     for s in specs:
         s.generate(prompts[0], 8)
+    order = random.Random(0)
     for p in prompts:
-        v = vanilla.generate(p, max_new_tokens)
-        base.tokens += len(v.output_ids)
-        base.seconds += v.seconds
-        base.target_seconds += v.target_seconds
-        base.cycles += v.cycles
-        for row, s in zip(rows, specs):
-            r = s.generate(p, max_new_tokens)
+        # vanilla and every tree once, in a fresh seeded order per prompt: no candidate always runs first or last
+        gens = [(base, vanilla)] + list(zip(rows, specs))
+        order.shuffle(gens)
+        results = {id(row): gen.generate(p, max_new_tokens) for row, gen in gens}
+        v = results[id(base)]
+        base.add(v, v)
+        for row in rows:
+            r = results[id(row)]
             row.identical &= r.output_ids == v.output_ids
-            row.tokens += len(r.output_ids)
-            row.seconds += r.seconds
-            row.baseline_seconds += v.seconds
-            row.accept_lengths += r.accept_lengths
-            row.cycles += r.cycles
-            row.target_seconds += r.target_seconds
-            row.draft_seconds += r.draft_seconds
-    base.baseline_seconds = base.seconds
+            row.add(r, v)
+        if sampler is not None:
+            sampler.round()
     return [base, *rows]
 
 
@@ -130,91 +159,149 @@ def run_hf_peers(target_dir, prompts: list[list[int]], max_new_tokens: int, draf
     return list(rows.values())
 
 
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 60, 64)
 
 
-def cost_model(backend, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 60, 64), top_k: int = 10,
-               repeats: int = 10) -> dict:
-    """Median seconds of a target forward over N new tokens after `context` cached ones, and of draft steps."""
-    spec = backend.spec
-    context = min(context, spec.max_context - max(sizes) - 1)
-    backend.reset(context + max(sizes) + 1)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, spec.vocab_size, (1, context), generator=g)
-    _, feats = backend.target_forward(prompt, torch.arange(context)[None], None, last_only=True)
-    backend.target_commit(torch.arange(context))
-    out = {"context": context, "target_ms": {}}
-    for n in sizes:
-        ids = torch.randint(0, spec.vocab_size, (1, n), generator=g)
-        pos = torch.arange(context, context + n)[None]
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+def sizes_for(trees: list[TreeConfig]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(target N, draft N) to time: the defaults plus every tree's verification size and draft width (top_k)."""
+    target = set(DEFAULT_SIZES) | {t.max_nodes for t in trees}
+    draft = {1, 10} | {t.top_k for t in trees if t.kind == "dynamic"}
+    return tuple(sorted(target)), tuple(sorted(draft))
 
-        def step():
-            backend.target_forward(ids, pos, mask)
-            backend.target_commit(torch.arange(0))          # commit nothing: the next call starts from `context`
-        out["target_ms"][n] = round(1e3 * _time(step, repeats), 3)
-    if backend.draft_kind is not None:
-        backend.draft_forward(feats, prompt, torch.arange(context)[None], None, project=True, top_k=top_k,
-                              last_only=True)   # token ids do not matter for timing
-        backend.draft_commit(torch.arange(context))
-        H = spec.hidden_size
-        for n, name in ((top_k, "draft_step_ms"), (1, "draft_chain_step_ms")):
-            hid = torch.randn(1, n, H, generator=g).to(feats.dtype)
-            ids = torch.randint(0, spec.vocab_size, (1, n), generator=g)
-            pos = torch.full((1, n), context)
-            mask = torch.eye(n, dtype=torch.bool)[None]
 
-            def dstep():
-                backend.draft_forward(hid, ids, pos, mask, project=False, top_k=top_k)
-                backend.draft_rollback()
-            out[name] = round(1e3 * _time(dstep, repeats), 3)
-        f4 = feats[:, -4:]
+class CostSampler:
+    """The cost model of cpu-cost-model.md measured in rounds: t(N) of a target forward over N new tokens after
+    `context` cached ones, draft steps over N nodes (N = 1 for chains, K for a tree level), and the first draft step
+    over 4 context rows (fc included). A round runs every case once, in a freshly shuffled order; rounds taken
+    between the generation runs (run_backend) see the same drifting load as the runs they predict, and the
+    summary keeps the median of every case over the rounds.
+    """
+
+    def __init__(self, backend, context: int = 256, sizes=DEFAULT_SIZES, draft_sizes=(1, 10), seed: int = 0):
+        self.backend, self.spec = backend, backend.spec
+        self.sizes, self.draft_sizes = tuple(sizes), tuple(draft_sizes)
+        self.context = min(context, self.spec.max_context - max(self.sizes) - 1)
+        self.rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        self.prompt = torch.randint(0, self.spec.vocab_size, (1, self.context), generator=g)
+        self.target_in = {n: torch.randint(0, self.spec.vocab_size, (1, n), generator=g) for n in self.sizes}
+        H = self.spec.hidden_size
+        self.draft_in = {n: (torch.randn(1, n, H, generator=g), torch.randint(0, self.spec.vocab_size, (1, n),
+                                                                            generator=g)) for n in self.draft_sizes}
+        self.samples: dict[str, list[float]] = {}
+        self.rounds = 0
+
+    def _cases(self, feats) -> list[tuple[str, callable]]:
+        b, c = self.backend, self.context
+        cases = []
+        for n in self.sizes:
+            ids, pos = self.target_in[n], torch.arange(c, c + n)[None]
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+
+            def step(ids=ids, pos=pos, mask=mask):
+                b.target_forward(ids, pos, mask)
+                b.target_commit(torch.arange(0))          # commit nothing: the next call starts from `context`
+            cases.append((f"target {n}", step))
+        if b.draft_kind is None:
+            return cases
+        for n in self.draft_sizes:
+            hid, ids = self.draft_in[n]
+            hid = hid.to(feats.dtype)
+            pos, mask = torch.full((1, n), c), torch.eye(n, dtype=torch.bool)[None]
+
+            def dstep(hid=hid, ids=ids, pos=pos, mask=mask, n=n):
+                b.draft_forward(hid, ids, pos, mask, project=False, top_k=n)
+                b.draft_rollback()
+            cases.append((f"draft {n}", dstep))
+        f4, ids4, pos4 = feats[:, -4:], self.prompt[:, -4:], torch.arange(c - 4, c)[None]
 
         def first():
-            backend.draft_forward(f4, prompt[:, -4:], torch.arange(context - 4, context)[None], None, project=True,
-                                  top_k=top_k, last_only=True)
-            backend.draft_rollback()
-        out["draft_first_ms"] = round(1e3 * _time(first, repeats), 3)
-    return out
+            b.draft_forward(f4, ids4, pos4, None, project=True, top_k=10, last_only=True)
+            b.draft_rollback()
+        cases.append(("draft first", first))
+        return cases
+
+    def round(self, repeats: int = 1, record: bool = True) -> None:
+        """Prefill `context` rows, then time every case `repeats` times in a shuffled order."""
+        b, c = self.backend, self.context
+        b.reset(c + max(self.sizes) + 1)
+        _, feats = b.target_forward(self.prompt, torch.arange(c)[None], None, last_only=True)
+        b.target_commit(torch.arange(c))
+        if b.draft_kind is not None:      # the draft's own context (token ids do not matter for timing)
+            b.draft_forward(feats, self.prompt, torch.arange(c)[None], None, project=True, top_k=10, last_only=True)
+            b.draft_commit(torch.arange(c))
+        cases = self._cases(feats) * repeats
+        self.rng.shuffle(cases)
+        for name, fn in cases:
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if record:
+                self.samples.setdefault(name, []).append(dt)
+        self.rounds += record
+
+    def summary(self) -> dict:
+        med = {k: round(1e3 * statistics.median(v), 3) for k, v in self.samples.items()}
+        out = {"context": self.context, "rounds": self.rounds,
+               "target_ms": {n: med[f"target {n}"] for n in self.sizes},
+               "target_1_ms_range": [round(1e3 * min(self.samples["target 1"]), 3),
+                                     round(1e3 * max(self.samples["target 1"]), 3)]}
+        if self.backend.draft_kind is not None:
+            out["draft_ms"] = {n: med[f"draft {n}"] for n in self.draft_sizes}
+            out["draft_step_ms"] = out["draft_ms"].get(10)
+            out["draft_chain_step_ms"] = out["draft_ms"][1]
+            out["draft_first_ms"] = med["draft first"]
+        return out
 
 
-def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
-    """S = τ·t(1) / (t(N_tree) + depth·t_draft + t_first), interpolating t(N) between measured sizes."""
-    if "draft_step_ms" not in cm:
-        return None
-    t = {int(k): v for k, v in cm["target_ms"].items()}
-    n = tree.max_nodes
+def cost_model(backend, context: int = 256, sizes=DEFAULT_SIZES, draft_sizes=(1, 10), repeats: int = 10) -> dict:
+    """Median milliseconds of every cost-model case over `repeats` rounds (after one warm-up round)."""
+    sampler = CostSampler(backend, context, sizes, draft_sizes)
+    sampler.round(record=False)
+    for _ in range(repeats):
+        sampler.round()
+    return sampler.summary()
+
+
+def _interp(table: dict, n: int) -> float:
+    t = {int(k): v for k, v in table.items()}
     sizes = sorted(t)
     lo = max([s for s in sizes if s <= n], default=sizes[0])
     hi = min([s for s in sizes if s >= n], default=sizes[-1])
-    tn = t[lo] if hi == lo else t[lo] + (t[hi] - t[lo]) * (n - lo) / (hi - lo)
+    return t[lo] if hi == lo else t[lo] + (t[hi] - t[lo]) * (n - lo) / (hi - lo)
+
+
+def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
+    """S = τ·t(1) / (t(N_tree) + steps·t_draft(N_step) + t_first), interpolating t(N) between measured sizes;
+    N_step = 1 for a chain, top_k for a dynamic tree (each level expands top_k nodes), 10 for a static tree."""
+    if "draft_first_ms" not in cm:
+        return None
+    t = cm["target_ms"]
+    draft = cm.get("draft_ms") or {1: cm["draft_chain_step_ms"], 10: cm["draft_step_ms"]}
     if tree.kind == "chain":
-        steps, step = tree.depth, cm["draft_chain_step_ms"]
+        steps, width = tree.depth, 1
     elif tree.kind == "static":
-        steps, step = 4, cm["draft_step_ms"]                # mc_sim_7b_63 expands 4 levels after the first step
+        steps, width = 4, 10                                # mc_sim_7b_63 expands 4 levels after the first step
     else:
-        steps, step = tree.depth, cm["draft_step_ms"]
-    return round(tau * t[1] / (tn + steps * step + cm["draft_first_ms"]), 3)
+        steps, width = tree.depth, tree.top_k
+    cost = _interp(t, tree.max_nodes) + steps * _interp(draft, width) + cm["draft_first_ms"]
+    return round(tau * _interp(t, 1) / cost, 3)
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'engine':<14} {'method':<8} {'tree':<20} {'tok/s':>8} {'speedup':>8} {'pred.':>6} {'tau':>5} " \
-           f"{'same':>5} {'draft ms':>9} {'verify ms':>9} {'other ms':>9}"
+    """e2e: whole requests (prefill included); decode: after the prefill, the part the cost model predicts."""
+    head = f"{'engine':<14} {'method':<8} {'tree':<16} {'tok/s':>7} {'e2e':>6} {'decode':>7} {'pred.':>6} " \
+           f"{'m/p':>5} {'tau':>5} {'same':>5} {'draft ms':>9} {'verify ms':>9} {'other ms':>9}"
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
-        print(f"{r['engine']:<14} {r['method']:<8} {r['tree']:<20} {fmt(r['tokens_per_s'], '8.1f')} "
-              f"{fmt(r['speedup'], '7.2f')}x {fmt(r.get('predicted_speedup'), '6.2f')} {r['tau']:>5.2f} "
-              f"{'yes' if r['identical_to_vanilla'] else 'NO':>5} {fmt(r.get('draft_ms_per_cycle'), '9.2f')} "
-              f"{fmt(r.get('verify_ms_per_cycle'), '9.2f')} {fmt(r.get('other_ms_per_cycle'), '9.2f')}")
+        print(f"{r['engine']:<14} {r['method']:<8} {r['tree']:<16} {fmt(r['tokens_per_s'], '7.1f')} "
+              f"{fmt(r['speedup'], '5.2f')}x {fmt(r.get('decode_speedup'), '6.2f')}x "
+              f"{fmt(r.get('predicted_speedup'), '6.2f')} {fmt(r.get('measured_over_predicted'), '5.2f')} "
+              f"{r['tau']:>5.2f} {'yes' if r['identical_to_vanilla'] else 'NO':>5} "
+              f"{fmt(r.get('draft_ms_per_cycle'), '9.2f')} {fmt(r.get('verify_ms_per_cycle'), '9.2f')} "
+              f"{fmt(r.get('other_ms_per_cycle'), '9.2f')}")
 
 
 def write_json(path, payload: dict) -> None:

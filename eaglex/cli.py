@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--prompts", type=Path, required=True, help="JSONL prompts (see generate)")
     ben.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     ben.add_argument("--trees", default="chain:3,dynamic:8/4/3,dynamic:60/7/10",
-                     help="comma list of chain:DEPTH, dynamic:TOTAL/DEPTH/TOPK, static")
+                     help="comma list of chain:DEPTH, dynamic:TOTAL/DEPTH/TOPK, static, auto (the engine's tuned "
+                          "tree, measured once and kept in its manifest, as --tree auto)")
     ben.add_argument("--max-new-tokens", type=int, default=64)
     ben.add_argument("--no-torch", action="store_true", help="skip the torch backend rows")
     ben.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
@@ -335,7 +337,10 @@ def cmd_bench(args) -> int:
     from eaglex.runtime.generate import VanillaGenerator
     from eaglex.prompts import load_tokenizer, read_prompts
 
-    trees = parse_trees(args.trees)
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    items = [t.strip() for t in args.trees.split(",")]
+    auto = "auto" in items
+    trees = parse_trees(",".join(t for t in items if t != "auto"))
     backends = []
     if args.target is not None and not args.no_torch:
         from eaglex.runtime.torch_backend import TorchBackend
@@ -352,15 +357,26 @@ def cmd_bench(args) -> int:
     rows, cost_models, reference = [], {}, None
     for name, backend in backends:
         method = backend.draft_kind or "vanilla"
-        cm = bench.cost_model(backend)
-        cost_models[name] = cm
-        got = bench.run_backend(name, backend, trees if backend.draft_kind else [], prompts, args.max_new_tokens,
-                                method)
-        for row, tree in zip(got[1:], trees):
+        own = list(trees) if backend.draft_kind else []
+        labels = [bench.tree_label(t) for t in own]
+        if auto and backend.draft_kind:
+            tuned = _tune_engine(backend, getattr(backend, "engine_dir", None), prompts)
+            if tuned not in own:
+                own.append(tuned)
+                labels.append(bench.tree_label(tuned))
+            labels[own.index(tuned)] += " (auto)"
+        sizes, draft_sizes = bench.sizes_for(own)
+        sampler = bench.CostSampler(backend, sizes=sizes, draft_sizes=draft_sizes)
+        for i in range(3):                                   # a warm-up round, then two before the runs
+            sampler.round(record=i > 0)
+        got = bench.run_backend(name, backend, own, prompts, args.max_new_tokens, method, sampler)
+        cm = cost_models[name] = sampler.summary()
+        for row, tree, label in zip(got[1:], own, labels):
+            row.tree = label
             tau = sum(row.accept_lengths) / max(len(row.accept_lengths), 1)
             row.predicted_speedup = bench.predicted_speedup(cm, tree, tau)
         rows += [r.as_dict() for r in got]
-        if reference is None:
+        if reference is None and args.target is not None and not args.no_peers:
             reference = [VanillaGenerator(backend).generate(p, args.max_new_tokens).output_ids for p in prompts]
     if args.target is not None and not args.no_peers:
         rows += [r.as_dict() for r in bench.run_hf_peers(args.target, prompts, args.max_new_tokens, args.draft_lm,
@@ -369,8 +385,8 @@ def cmd_bench(args) -> int:
     for r in rows:
         r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None
     bench.print_table(rows)
-    payload = {"machine": bench.machine(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-               "cost_model": cost_models, "rows": rows}
+    payload = {"machine": {**bench.machine(), "load_average_at_start": load_start}, "prompts": len(prompts),
+               "max_new_tokens": args.max_new_tokens, "cost_model": cost_models, "rows": rows}
     bench.write_json(args.out, payload)
     print(f"wrote {args.out}")
     return 0 if all(r["identical_to_vanilla"] for r in rows) else 1

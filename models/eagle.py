@@ -52,7 +52,9 @@ class DraftAttention(nn.Module):
         k = self.k_proj(x).view(B, N, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, N, s.num_kv_heads, s.head_dim).transpose(1, 2)
         k_all, v_all = cache.update(0, rope(k, cos, sin), v)
-        o = F.scaled_dot_product_attention(rope(q, cos, sin), k_all, v_all, attn_mask=attn_mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(rope(q, cos, sin), k_all, v_all, attn_mask=attn_mask,
+                                           enable_gqa=s.num_heads != s.num_kv_heads)  # MHA: the exporter's
+        # opset-23 SDPA lowering refuses enable_gqa with equal head counts (EAGLE-3 heads of Vicuna are MHA)
         return self.o_proj(o.transpose(1, 2).reshape(B, N, s.num_heads * s.head_dim))
 
 

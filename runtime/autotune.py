@@ -14,7 +14,8 @@ from .types import TreeConfig
 
 CANDIDATES = (
     TreeConfig("chain", depth=1), TreeConfig("chain", depth=2), TreeConfig("chain", depth=3),
-    TreeConfig("chain", depth=5), TreeConfig("dynamic", 6, 3, 2), TreeConfig("dynamic", 8, 4, 3),
+    TreeConfig("chain", depth=4), TreeConfig("chain", depth=5), TreeConfig("dynamic", 6, 3, 2),
+    TreeConfig("dynamic", 8, 4, 3),
     TreeConfig("dynamic", 12, 5, 4), TreeConfig("dynamic", 16, 5, 4), TreeConfig("dynamic", 32, 6, 8),
     TreeConfig("dynamic", 60, 7, 10),
 )

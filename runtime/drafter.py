@@ -4,7 +4,7 @@ Each cycle first *extends* the draft's committed context with the target feature
 (pairs (feature at p, token at p+1), as the official code does: only this first step sees real target features),
 then grows a tree from the last row:
 - dynamic (EAGLE-2): expand the best top_k candidates of each level, keep the best total_tokens-1 overall;
-- chain: the dynamic tree with top_k = 1;
+- chain: the dynamic tree with top_k = 1 (built directly, without the candidate pool);
 - static (EAGLE-1): the fixed shape of a choices list, each node the rank-th draft candidate of its parent.
 Tree rows written to the draft cache are rolled back at the end; the pure tree algebra lives in tree.py.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .backend import Backend
-from .tree import MC_SIM_7B_63, next_frontier, select_dynamic, static_plan, tree_from_parents
+from .tree import MC_SIM_7B_63, chain_tree, next_frontier, select_dynamic, static_plan, tree_from_parents
 from .types import DraftTree, TreeConfig
 
 
@@ -47,6 +47,8 @@ class Drafter:
         try:
             if self.plan is not None:
                 return self._static(root, seed, position)
+            if self.top_k == 1:
+                return self._chain(root, seed, position)
             return self._dynamic(root, seed, position)
         finally:
             self.backend.draft_rollback()
@@ -76,6 +78,19 @@ class Drafter:
             front, front_h, n = pick + n, h[0, rows], n + F * K
             mask = torch.cat([mask[rows], torch.eye(pick.shape[0], dtype=torch.bool)], 1)
         return select_dynamic(scores[:n], tokens[:n], parents[:n], root, self.total)
+
+    def _chain(self, root, seed, position):
+        """top_k = 1: the dynamic path would keep all 1 + depth candidates in order (total = depth + 2), so the
+        chain is built directly: each step feeds its parent's top-1 token and output row, with the causal mask
+        (a chain node's ancestors are exactly the rows drafted before it), and no candidate pool or rerank."""
+        hidden, _, ids = seed                                  # [1,H], [1], [1]
+        tokens = [root, int(ids[0])]
+        for i in range(self.depth):
+            h, _, tk = self.backend.draft_forward(hidden.unsqueeze(0), torch.tensor([[tokens[-1]]]),
+                                                  torch.tensor([[position + i]]), None, project=False, top_k=1)
+            hidden = h[0]
+            tokens.append(int(tk[0, 0, 0]))
+        return chain_tree(torch.tensor(tokens))
 
     def _static(self, root, seed, position):
         plan = self.plan

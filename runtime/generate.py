@@ -28,6 +28,12 @@ class GenerationResult:
     target_seconds: float = 0.0                            # time inside target forwards (prefill + verification)
     draft_seconds: float = 0.0                             # time inside draft forwards
     stop_reason: str = ""
+    # The prefill phase (included in the totals above): the prompt's target forward and first token, and for
+    # speculative decoding the draft's pass over the prompt. What follows it is the decode phase, whose cycles the
+    # cost model of the benchmark predicts.
+    prefill_seconds: float = 0.0
+    prefill_target_seconds: float = 0.0
+    prefill_draft_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -37,6 +43,11 @@ class GenerationResult:
     @property
     def forward_seconds(self) -> float:
         return self.target_seconds + self.draft_seconds
+
+    @property
+    def decode_seconds(self) -> float:
+        """Wall time after the prefill: the decode cycles (all tokens but the first)."""
+        return self.seconds - self.prefill_seconds
 
     @property
     def overhead_seconds(self) -> float:
@@ -66,6 +77,11 @@ class _Timed:
             self.seconds[name] += time.perf_counter() - t
             return out
         return timed
+
+    def end_prefill(self, result: "GenerationResult", t0: float) -> None:
+        result.prefill_seconds = time.perf_counter() - t0
+        result.prefill_target_seconds = self.seconds["target_forward"]
+        result.prefill_draft_seconds = self.seconds["draft_forward"]
 
     def record(self, result: "GenerationResult", t0: float) -> "GenerationResult":
         result.seconds = time.perf_counter() - t0
@@ -146,6 +162,8 @@ class VanillaGenerator(_Base):
             token = self._pick(logits[0, -1], gen)
             emitter.emit([token])
             result.cycles += not prefill  # the prefill is not a decode cycle
+            if prefill:
+                backend.end_prefill(result, t0)
             prefill = False
             pos = pos[:, -1:] + 1
             ids = torch.tensor([[token]])
@@ -178,6 +196,7 @@ class SpeculativeGenerator(_Base):
         root = self._pick(logits[0, -1], gen)
         emitter.emit([root])
         seed = drafter.extend(feats[0], torch.tensor(input_ids[1:] + [root]), 0) if not emitter.done else None
+        backend.end_prefill(result, t0)
         length = n                                             # committed target rows; the root sits at `length`
 
         while not emitter.done:

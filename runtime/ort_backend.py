@@ -19,7 +19,6 @@ import torch
 from eaglex.engines.manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from eaglex.models.errors import ModelError
 
-from .backend import full_mask
 from .ort_cache import NP_DTYPES, OrtKVCache
 from .ort_session import open_session, use_global_pool
 
@@ -110,7 +109,7 @@ class OrtBackend:
         """Binds ids, positions, the full mask, logits rows and the past; `keep` holds the numpy buffers alive."""
         B, N = input_ids.shape
         cache.reserve(N)
-        attn = full_mask(mask, B, N, cache.length, cache.pending).numpy()          # [B,1,N,T] bool
+        attn = cache.attention_mask(mask, B, N)                                    # [B,1,N,T] bool
         rows = np.array([N - 1] if last_only else range(N), dtype=np.int64)
         feeds = {"input_ids": input_ids.numpy().astype(np.int64, copy=False),
                  "position_ids": position_ids.numpy().astype(np.int64, copy=False),

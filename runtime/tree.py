@@ -10,9 +10,10 @@ and ancestor indices increase along every root-to-leaf path.
 """
 from __future__ import annotations
 
-import numpy as np
-
+import functools
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -70,6 +71,21 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return DraftTree(tokens=tokens.long(), parents=t(par), depths=t(depths.astype(np.int64)), mask=t(mask),
                      paths=t(paths.astype(np.int64)))
+
+
+@functools.lru_cache(maxsize=64)
+def _chain_shape(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    idx = torch.arange(n)
+    return idx - 1, idx, torch.ones(n, n, dtype=torch.bool).tril_(), idx[None].clone()
+
+
+def chain_tree(tokens: torch.Tensor) -> DraftTree:
+    """tokens [N] -> the chain root -> tokens[1] -> ... (what tree_from_parents gives for parents i - 1), with the
+    index tables built once per length: a chain's shape never changes, only its tokens."""
+    if tokens.dim() != 1 or tokens.numel() == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D tensor, got {tuple(tokens.shape)}")
+    parents, depths, mask, paths = (t.clone() for t in _chain_shape(int(tokens.shape[0])))   # callers own them
+    return DraftTree(tokens=tokens.long(), parents=parents, depths=depths, mask=mask, paths=paths)
 
 
 def next_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:

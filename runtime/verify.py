@@ -11,6 +11,7 @@ Row i of `logits` is the target's next-token distribution after node i (root and
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sampling import argmax, logits_to_probs, sample
@@ -26,6 +27,8 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """tree with N nodes, logits [N, V] -> Verdict (longest argmax-consistent path + the argmax after it)."""
     _check(tree, logits)
     top = argmax(logits)                                         # [N] target's choice after each node
+    if top.device.type == "cpu" and tree.tokens.device.type == "cpu":
+        return _verify_greedy_host(tree, top.numpy())
     # A node is correct when its token is what the target would emit after its parent; the root is given.
     parent_top = top[tree.parents.clamp(min=0)]
     correct = (tree.tokens == parent_top) | (tree.parents < 0)   # [N]
@@ -37,6 +40,18 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     a = int(acc[best])
     nodes = paths[best, : a + 1]
     return Verdict(nodes=nodes, next_token=int(top[nodes[-1]]))
+
+
+def _verify_greedy_host(tree: DraftTree, top: np.ndarray) -> Verdict:
+    """verify_greedy on the host in numpy: the same steps, without ~10 torch dispatches of a few us each on
+    tensors of tens of elements (this runs once per cycle)."""
+    parents, tokens, paths = tree.parents.numpy(), tree.tokens.numpy(), tree.paths.numpy()
+    correct = (tokens == top[np.maximum(parents, 0)]) | (parents < 0)
+    match = correct[np.maximum(paths, 0)] & (paths >= 0)
+    acc = np.cumprod(match[:, 1:], axis=1).sum(axis=1)
+    best = int(np.argmax(acc))                                   # first best path wins, as torch.argmax
+    nodes = paths[best, : int(acc[best]) + 1].copy()
+    return Verdict(nodes=torch.from_numpy(nodes), next_token=int(top[nodes[-1]]))
 
 
 def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig,

@@ -100,6 +100,60 @@ def test_draft_steps_match_torch(engines, models):
         b.draft_rollback()
 
 
+@pytest.mark.parametrize("policy", ["holes", "compact"])
+def test_kv_holes_and_compaction_are_lossless(policy, engines, prompts, monkeypatch):
+    """Rejected tree rows left in the target cache as masked holes give the same tokens as gathering the accepted
+    rows at once; both paths are taken (a chain leaves 0-2 holes per cycle, a 60-node tree dozens)."""
+    from eaglex.runtime import ort_cache
+
+    never, always = (10 ** 9, 1), (0, 10 ** 9)
+    monkeypatch.setattr(ort_cache, "HOLES_MIN", (never if policy == "holes" else always)[0])
+    monkeypatch.setattr(ort_cache, "HOLES_SHARE", (never if policy == "holes" else always)[1])
+    b = OrtBackend(engines["llama-eagle3"])
+    seen = {"holes": 0, "gathers": 0}
+    commit, compact = b.tcache.commit, b.tcache._compact
+
+    def spy_commit(keep):
+        commit(keep)
+        seen["holes"] = max(seen["holes"], b.tcache.rows - b.tcache.length)
+
+    def spy_compact(index):
+        seen["gathers"] += 1
+        compact(index)
+    monkeypatch.setattr(b.tcache, "commit", spy_commit)
+    monkeypatch.setattr(b.tcache, "_compact", spy_compact)
+    vanilla = VanillaGenerator(b)
+    for tree in (TreeConfig("chain", depth=3), TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10)):
+        spec = SpeculativeGenerator(b, tree)
+        for p in prompts[:8]:
+            assert spec.generate(p, MAX_NEW).output_ids == vanilla.generate(p, MAX_NEW).output_ids, (tree, p)
+    assert (seen["holes"] > 64) if policy == "holes" else (seen["holes"] == 0 and seen["gathers"] > 0)
+
+
+def test_kv_holes_logits_match_compacted(engines, monkeypatch):
+    """One verification after commits with holes: logits and features equal those after compacting commits."""
+    from eaglex.runtime import ort_cache
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 48, (1, 12), generator=g)
+    tree = torch.randint(0, 48, (1, 5), generator=g)
+    mask = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]],
+                        dtype=torch.bool)
+    out = []
+    for holes_min, share, rows in ((10 ** 9, 1, 17), (0, 10 ** 9, 10)):
+        monkeypatch.setattr(ort_cache, "HOLES_MIN", holes_min)
+        monkeypatch.setattr(ort_cache, "HOLES_SHARE", share)
+        b = OrtBackend(engines["llama-eagle3"])
+        b.reset(64)
+        b.target_forward(ids, torch.arange(12)[None], None)
+        b.target_commit(torch.tensor([0, 1, 2, 3, 4, 5, 6]))           # 7 of 12 prefill rows: a prefix
+        b.target_forward(tree, torch.tensor([[7, 8, 8, 9, 9]]), mask)
+        b.target_commit(torch.tensor([0, 2, 4]))                         # a path through the tree
+        assert b.tcache.length == 10 and b.tcache.rows == rows
+        out.append(b.target_forward(tree, torch.tensor([[10, 11, 11, 12, 12]]), mask))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5) and torch.allclose(out[0][1], out[1][1], atol=1e-5)
+
+
 def _copy(engines, tmp_path, name="llama-eagle3"):
     dst = tmp_path / name
     shutil.copytree(engines[name], dst)
@@ -215,6 +269,29 @@ def test_cli_engine_generate_and_errors(engines, tmp_path, capsys):
     assert main(["build", "--target", str(tmp_path), "--out", str(engines["llama-eagle3"])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already exists: pass --force" in err[0]
+
+
+def test_cli_bench_engine(engines, tmp_path, capsys):
+    """`eaglex bench` on an engine: vanilla + chain + tree rows, identical outputs, a cost model measured in rounds
+    between the prompts, decode-phase speedups next to the prediction, and the load average recorded."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": list(range(i, i + 6))}) + "\n" for i in range(3)))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--engine", str(engines["llama-eagle3"]), "--prompts", str(prompts), "--trees",
+                 "chain:2,dynamic:8/4/3", "--max-new-tokens", "16", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    cm = d["cost_model"]["ort:llama-eagle3"]
+    assert cm["rounds"] == 2 + 3 and set(cm["draft_ms"]) == {"1", "3", "10"}
+    assert {"1", "4", "8"} <= set(cm["target_ms"]) and cm["draft_first_ms"] > 0     # chain:2 verifies 4 nodes
+    rows = {r["tree"]: r for r in d["rows"]}
+    assert set(rows) == {"-", "chain d2", "dynamic 8/4/3"}
+    assert all(r["identical_to_vanilla"] for r in rows.values())
+    for label in ("chain d2", "dynamic 8/4/3"):
+        r = rows[label]
+        assert r["decode_speedup"] > 0 and r["predicted_speedup"] > 0 and r["tau"] >= 1
+        assert r["measured_over_predicted"] == pytest.approx(r["decode_speedup"] / r["predicted_speedup"], rel=1e-2)
+    assert len(d["machine"]["load_average_at_start"]) == 3
+    assert "decode" in capsys.readouterr().out
 
 
 @pytest.mark.slow

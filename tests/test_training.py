@@ -144,11 +144,27 @@ def test_target_and_draft_lm_trainers_learn(tmp_path):
     stream = data.encode_files(files, tok, eos)
     cfg = TargetConfig(hidden_size=64, num_layers=7, num_heads=2, num_kv_heads=1, intermediate_size=128, seq_len=64,
                        batch=8, optim=FAST)
-    model, losses = train_target(cfg, stream, tok.get_vocab_size(), eos, tmp_path / "t.pt", threads=1)
+    cfg = replace(cfg, optim=replace(FAST, checkpoint_every=10))
+    model, losses = train_target(cfg, stream, tok.get_vocab_size(), eos, None, threads=1)
     assert falls(losses), losses
-    # resuming a finished run changes nothing
-    again, losses2 = train_target(cfg, stream, tok.get_vocab_size(), eos, tmp_path / "t.pt", threads=1)
-    assert losses2 == losses
+
+    # a run interrupted after its step-20 checkpoint and resumed ends exactly where the uninterrupted one does
+    import eaglex.training.target as target_mod
+    calls = {"n": 0}
+
+    def crash_at_25(*args):
+        calls["n"] += 1
+        if calls["n"] > 25:
+            raise KeyboardInterrupt
+        return data.sample_windows(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(target_mod, "sample_windows", crash_at_25)
+        with pytest.raises(KeyboardInterrupt):
+            train_target(cfg, stream, tok.get_vocab_size(), eos, tmp_path / "t.pt", threads=1)
+    assert torch.load(tmp_path / "t.pt", weights_only=True)["step"] == 20
+    again, resumed = train_target(cfg, stream, tok.get_vocab_size(), eos, tmp_path / "t.pt", threads=1)
+    assert resumed == losses
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
     from eaglex.training.selfdistill import SelfDistillData

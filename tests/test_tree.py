@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eaglex.runtime.tree import (MC_SIM_7B_63, next_frontier, select_dynamic, static_plan,
+from eaglex.runtime.tree import (MC_SIM_7B_63, chain_tree, next_frontier, select_dynamic, static_plan,
                                  tree_from_parents)
 
 T, F = True, False
@@ -24,6 +24,17 @@ TREES = [
       [T, T, F, F, T, F, F], [T, F, T, F, F, T, F], [T, T, F, T, F, F, T]],
      [[0, 1, 3, 6], [0, 1, 4, -1], [0, 2, 5, -1]]),
 ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_chain_tree_matches_tree_from_parents(n):
+    tokens = torch.arange(50, 50 + n)
+    want = tree_from_parents(tokens, torch.arange(n) - 1)
+    got = chain_tree(tokens)
+    for field in ("tokens", "parents", "depths", "mask", "paths"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    got.mask[0, 0] = False                       # the caller owns its tables: the cached shape is untouched
+    assert chain_tree(tokens).mask[0, 0]
 
 
 @pytest.mark.parametrize("name,parents,depths,mask,paths", TREES, ids=[t[0] for t in TREES])

@@ -50,6 +50,26 @@ def test_verify_greedy(name, tree, argmax, nodes, next_token):
     assert verdict.next_token == next_token
 
 
+def test_verify_greedy_host_path_matches_torch_path():
+    """The numpy path (CPU tensors) and the torch path (other devices) give the same verdict on random trees."""
+    from eaglex.runtime import verify
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+        tree = tree_from_parents(torch.randint(0, 4, (n,), generator=g), parents)
+        logits = torch.randn(n, 4, generator=g)
+        host = verify.verify_greedy(tree, logits)
+        top = logits.argmax(-1)
+        correct = (tree.tokens == top[tree.parents.clamp(min=0)]) | (tree.parents < 0)
+        match = correct[tree.paths.clamp(min=0)] & (tree.paths >= 0)
+        acc = torch.cumprod(match[:, 1:].long(), dim=1).sum(dim=1)
+        best = int(torch.argmax(acc))
+        nodes = tree.paths[best, : int(acc[best]) + 1]
+        assert host.nodes.tolist() == nodes.tolist() and host.next_token == int(top[nodes[-1]])
+
+
 def test_verify_greedy_shape_check():
     tree = tree_from_parents(torch.tensor(CHAIN[0]), torch.tensor(CHAIN[1]))
     with pytest.raises(ValueError):

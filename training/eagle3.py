@@ -1,0 +1,198 @@
+"""EAGLE-3 head training with training-time test (TTT), as the official `eagle/traineagle3` (eagle.md §5.1).
+
+The head is the inference module itself (models.eagle.DraftHead); only its attention is re-run here in the TTT
+form. For a sequence x_0..x_{T-1}, slot t of step s feeds token x_{t+1+s} at RoPE position t+s; step 0's hidden
+input is fc(target features at t), step s > 0's is the head's own pre-norm output of step s-1 at the same slot. A
+query of step s attends to step-0 keys at slots <= t (the real-feature context) and to the keys of steps 1..s at
+slot t only (its own draft chain): exactly what a depth-(s+1) draft node sees at inference. The loss of step s is
+the soft cross-entropy against the target's softmax restricted to the draft vocabulary at position t+1+s,
+masked where the target's argmax lies outside it, averaged over B·(T-1) slots, and weighted 0.8^s.
+One departure, in initialisation only: lm_head and the final norm start as the target's rows of the draft vocabulary
+and its final norm (the official code starts them at random), which a small training budget needs.
+
+Saved in the official layout: config.json like `yuhuili/EAGLE3-LLaMA3.1-Instruct-8B` (plus draft_vocab_size) and
+pytorch_model.bin in float16 with fc / midlayer.* / norm / lm_head / d2t / t2d and no embed_tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglex.models.eagle import DraftHead
+from eaglex.models.target import Target, eagle3_taps, rope
+
+from .heads import new_head, save_head, teacher
+from .loop import OptimConfig, digest, seed_everything, step_generator, train
+from .selfdistill import SelfDistillData
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    draft_vocab_size: int = 1024
+    intermediate_size: int | None = None   # None: the target's
+    num_heads: int | None = None           # None: the target's (head_dim = hidden // heads, as the official code)
+    num_kv_heads: int | None = None
+    ttt_steps: int = 7                     # the official code unrolls 7 (the paper says 5)
+    step_weight: float = 0.8               # loss weight of step s: step_weight ** s
+    loss_on_prompt: bool = True            # False: only continuation tokens count (official: assistant tokens)
+    init_from_target: bool = True          # lm_head/norm start as the target's rows of the draft vocabulary
+    fc_init_rms: float | None = 1.0        # scale fc at init so its output has this RMS on the first batch
+    batch: int = 8
+    seed: int = 0
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=2e-3, warmup=30))
+
+
+# ------------------------------------------------------------------------------------------------ vocabulary
+
+def vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Official d2t/t2d (eagle.md §1.5): the Vd most frequent target ids (ties: lower id first), sorted ascending.
+
+    counts [V] int64 -> d2t [Vd] int64 offsets (target id = draft id + d2t[draft id]), t2d [V] bool membership.
+    """
+    V = counts.shape[0]
+    if not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size must be in [1, {V}], got {draft_vocab_size}")
+    order = sorted(range(V), key=lambda v: (-int(counts[v]), v))
+    used = torch.tensor(sorted(order[:draft_vocab_size]), dtype=torch.long)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(draft_vocab_size), t2d
+
+
+# ------------------------------------------------------------------------------------------------ the head
+
+def head_config(target: Target, cfg: Eagle3Config, eos_id: int | None) -> dict:
+    """config.json of the official LLaMA-3.1 EAGLE-3 head, sized for `target` (no rope_theta: θ = 10000)."""
+    t = target.spec
+    hf = target.hf.config
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": cfg.intermediate_size or hf.intermediate_size,
+        "num_attention_heads": cfg.num_heads or t.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads or t.num_kv_heads,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "max_position_embeddings": 2048,
+        "vocab_size": t.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "pad_token_id": 0,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+
+def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, step: int,
+              kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One TTT step of the midlayer over all slots: hidden [B,n,H] (pre-fc'd), input_ids [B,n] -> [B,n,H].
+
+    kv collects each step's (keys, values) [B,Hkv,n,D]; keys of step 0 are attended causally, those of later
+    steps only on the diagonal (eagle.md §5.1).
+    """
+    s, layer = head.spec, head.midlayer
+    attn = layer.self_attn
+    B, n, _ = hidden.shape
+    e = head._embed[0](input_ids)                                         # [B,n,H], frozen
+    x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], -1)   # [B,n,2H], embedding first
+    pos = (torch.arange(n) + step).unsqueeze(0)
+    cos, sin = head.rotary(x, pos)
+    q = rope(attn.q_proj(x).view(B, n, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)       # [B,nh,n,D]
+    k = rope(attn.k_proj(x).view(B, n, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)    # [B,Hkv,n,D]
+    v = attn.v_proj(x).view(B, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
+    kv.append((k, v))
+    rep = s.num_heads // s.num_kv_heads                                   # GQA: query head i reads kv head i // rep
+    k0, v0 = (t.repeat_interleave(rep, 1) for t in kv[0])
+    scale = 1.0 / math.sqrt(s.head_dim)
+    causal = torch.ones(n, n, dtype=torch.bool).tril_()
+    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(~causal, float("-inf"))]   # [B,nh,n,n]
+    for kj, _ in kv[1:]:
+        scores.append(((q * kj.repeat_interleave(rep, 1)).sum(-1, keepdim=True)).float() * scale)   # [B,nh,n,1]
+    p = torch.softmax(torch.cat(scores, -1), -1)                          # [B,nh,n,n+step]
+    o = p[..., :n].to(v0.dtype) @ v0
+    for j, (_, vj) in enumerate(kv[1:]):
+        o = o + p[..., n + j:n + j + 1].to(vj.dtype) * vj.repeat_interleave(rep, 1)
+    h = hidden + attn.o_proj(o.transpose(1, 2).reshape(B, n, s.num_heads * s.head_dim))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def ttt_loss(head: DraftHead, target: Target, tokens: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor,
+             steps: int, step_weight: float) -> tuple[torch.Tensor, dict]:
+    """tokens [B,T], loss_mask [B,T] bool (per input token, official convention) -> (weighted loss, metrics)."""
+    logits, feats = teacher(target, tokens)                              # [B,T,V], [B,T,3H]
+    B, T = tokens.shape
+    n = T - 1                                                            # slots 0..T-2
+    used = t2d.nonzero().squeeze(1)                                      # [Vd] draft id -> target id, ascending
+    # The teacher at position j: softmax over the draft vocabulary, counted where the target's argmax is in it.
+    p_all = torch.softmax(logits[:, 1:, used], -1)                       # [B,n,Vd] (position j = slot + 1)
+    m_all = loss_mask[:, 1:] & t2d[logits[:, 1:].argmax(-1)]             # [B,n]
+    del logits
+    hidden = head.fc(feats[:, :n])
+    kv: list = []
+    total, metrics = 0.0, {}
+    for s in range(steps):
+        valid = n - s                                                    # slots t <= T-2-s have token and teacher
+        if valid <= 0:
+            break
+        ids = torch.zeros(B, n, dtype=torch.long)
+        ids[:, :valid] = tokens[:, 1 + s:]                               # x_{t+1+s}
+        hidden = ttt_layer(head, hidden, ids, s, kv)                     # [B,n,H]
+        p, m = p_all[:, s:], m_all[:, s:]                                # target at t+1+s: predicts x_{t+2+s}
+        logq = torch.log_softmax(head.lm_head(head.norm(hidden[:, :valid])).float(), -1)   # [B,valid,Vd]
+        loss = -((p * logq).sum(-1) * m).sum() / (B * n)
+        total = total + step_weight ** s * loss
+        if s in (0, 1, steps - 1):
+            with torch.no_grad():
+                acc = ((logq.argmax(-1) == p.argmax(-1)) & m).sum() / m.sum().clamp(min=1)
+            metrics[f"acc{s}"] = acc.item()
+    return total, metrics
+
+
+# ------------------------------------------------------------------------------------------------ train / save
+
+def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_id: int | None = None,
+                 checkpoint: Path | None = None, threads: int | None = None):
+    """Returns (head, config dict, t2d, per-step losses)."""
+    seed_everything(cfg.seed, threads)
+    target.set_features("eagle3", eagle3_taps(target.spec.num_layers))
+    mask = data.loss_mask(cfg.loss_on_prompt)
+    # d2t/t2d from the frequencies of the tokens the head will be asked to predict
+    d2t, t2d = vocab_map(data.token_counts(target.spec.vocab_size, mask), cfg.draft_vocab_size)
+    config = head_config(target, cfg, eos_id)
+    head = new_head(target, config, "eagle3")
+    head.d2t.copy_(d2t)
+    if cfg.init_from_target:   # the official code starts lm_head at random; the target's rows train much faster
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight[t2d.nonzero().squeeze(1)])
+            head.norm.weight.copy_(target.inner.norm.weight)
+    if cfg.fc_init_rms:   # raw residual-stream features are large (RMS ~ 10-100): a default-initialised fc
+        # makes the residual swamp the token embedding's contribution, and the head learns slowly
+        idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, -1))
+        with torch.no_grad():
+            _, feats = teacher(target, data.tokens[idx])
+            head.fc.weight.mul_(cfg.fc_init_rms / head.fc(feats).pow(2).mean().sqrt())
+    coverage = float(data.token_counts(target.spec.vocab_size, mask)[t2d].sum()) / max(1, int(mask.sum()))
+    print(f"eagle3: draft vocabulary {cfg.draft_vocab_size} of {target.spec.vocab_size} covers "
+          f"{100 * coverage:.1f}% of the training tokens")
+
+    def loss_fn(step: int):
+        idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, step))
+        return ttt_loss(head, target, data.tokens[idx], mask[idx], t2d, cfg.ttt_steps, cfg.step_weight)
+
+    losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle3 (TTT)",
+                   {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),
+                    "target": digest(target.embed_weight, target.lm_head.weight)})
+    return head, config, t2d, losses
+
+
+def save_eagle3(head: DraftHead, config: dict, t2d: torch.Tensor, out: str | Path) -> None:
+    """Official layout: config.json + pytorch_model.bin (float16 weights, int64 d2t, bool t2d, no embed_tokens)."""
+    save_head(head, config, out, {"t2d": t2d})

@@ -1,0 +1,72 @@
+"""What both head trainers share: a trainable models.eagle.DraftHead built from a config dict the way
+`load_draft` builds a loaded one, the frozen target's teacher forward, and the official-layout writer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from eaglex.models.eagle import DraftHead, DraftSpec
+from eaglex.models.target import ConcatCache, Target, eagle3_taps
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+
+
+def new_head(target: Target, config: dict, kind: str) -> DraftHead:
+    """A freshly initialised (nn.Linear defaults), trainable float32 head of `kind` for `target`.
+
+    Spec and RoPE come from `config` exactly as models.eagle.load_draft derives them, so the trained module and
+    the one loaded back from disk compute the same function.
+    """
+    H, nh = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or H // nh
+    vocab = config["vocab_size"]
+    spec = DraftSpec(kind=kind, hidden_size=H, num_heads=nh, num_kv_heads=config.get("num_key_value_heads") or nh,
+                     head_dim=head_dim, intermediate_size=config["intermediate_size"], vocab_size=vocab,
+                     draft_vocab_size=config.get("draft_vocab_size") or vocab, rms_eps=config["rms_norm_eps"],
+                     fc_bias=bool(config.get("bias", True)), qkv_bias=bool(config.get("qkv_bias", False)),
+                     taps=eagle3_taps(target.spec.num_layers) if kind == "eagle3" else ())
+    rope_cfg = LlamaConfig(hidden_size=H, num_attention_heads=nh, head_dim=head_dim,
+                           **{k: config[k] for k in ROPE_KEYS if config.get(k) is not None})
+    rope_cfg.max_position_embeddings = max(rope_cfg.max_position_embeddings, target.spec.max_context)
+    head = DraftHead(spec, rope_cfg, target.inner.embed_tokens, target.lm_head)
+    return head.float().train().requires_grad_(True)
+
+
+def causal_cache(target_or_head_kv: tuple[int, int, int], batch: int, dtype: torch.dtype) -> ConcatCache:
+    """An empty functional cache for a full-sequence forward: (layers, kv heads, head dim)."""
+    layers, kv_heads, head_dim = target_or_head_kv
+    empty = torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype)
+    return ConcatCache([(empty, empty)] * layers)
+
+
+def causal_mask(batch: int, n: int) -> torch.Tensor:
+    """[B,1,n,n] bool, True = attend."""
+    return torch.ones(n, n, dtype=torch.bool).tril_().expand(batch, 1, n, n)
+
+
+@torch.no_grad()
+def teacher(target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B,T] -> the target's logits [B,T,V] float32 and the features its head reads [B,T,F]
+    (whatever target.set_features chose), from the same forward the runtime runs."""
+    B, T = tokens.shape
+    t = target.spec
+    cache = causal_cache((t.num_layers, t.num_kv_heads, t.head_dim), B, target.embed_weight.dtype)
+    return target(tokens, torch.arange(T).expand(B, T), causal_mask(B, T), cache)
+
+
+def save_head(head: DraftHead, config: dict, out: str | Path, extra: dict[str, torch.Tensor]) -> None:
+    """config.json + pytorch_model.bin: the head's floating tensors in float16 (like the official heads), plus
+    `extra` (t2d, EAGLE-1's embed_tokens copy)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.detach().to(torch.float16) if v.is_floating_point() else v.detach()).clone().contiguous()
+             for k, v in head.state_dict().items()}
+    for k, v in extra.items():   # copies of target tensors: float16 only where that is exact
+        v = v.detach()
+        lossless = v.is_floating_point() and torch.equal(v.to(torch.float16).to(v.dtype), v)
+        state[k] = (v.to(torch.float16) if lossless else v).clone().contiguous()
+    torch.save(state, out / "pytorch_model.bin")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

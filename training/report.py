@@ -1,0 +1,78 @@
+"""The τ report: mean accepted tokens per target forward of trained heads on held-out prompts, per tree shape,
+measured with the runtime itself (TorchBackend + SpeculativeGenerator, greedy), each output checked against
+vanilla greedy decoding."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglex.runtime.types import TreeConfig
+
+from . import loop
+
+# The shapes every report measures. "dyn-16" is the CPU default proposed for the embedded model (cpu-cost-model.md
+# §6: short trees of ~8-16 nodes, few nodes expanded per level); "official" is EaModel's 60/7/10.
+SHAPES: dict[str, TreeConfig] = {
+    "chain-4": TreeConfig("chain", depth=3),
+    "chain-6": TreeConfig("chain", depth=5),
+    "chain-8": TreeConfig("chain", depth=7),
+    "dyn-8/d4/k2": TreeConfig("dynamic", total_tokens=8, depth=4, top_k=2),
+    "dyn-16/d5/k4": TreeConfig("dynamic", total_tokens=16, depth=5, top_k=4),
+    "dyn-16/d7/k2": TreeConfig("dynamic", total_tokens=16, depth=7, top_k=2),
+    "official-60/d7/k10": TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10),
+}
+DEFAULT_SHAPE = "dyn-16/d5/k4"
+
+
+@dataclass(frozen=True)
+class TauRow:
+    draft: str
+    shape: str
+    tau: float                # emitted tokens / verification cycles, over all prompts
+    identical: int            # prompts whose speculative output equals vanilla greedy
+    prompts: int
+    seconds: float
+
+
+def tau_table(target_dir: str | Path, drafts: dict[str, str | Path], prompts: list[list[int]],
+              shapes: dict[str, TreeConfig] = SHAPES, max_new_tokens: int = 128, progress: bool = True
+              ) -> list[TauRow]:
+    """One row per (draft, shape); `drafts` maps a label to a head folder."""
+    from tqdm import tqdm
+
+    from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+    from eaglex.runtime.torch_backend import TorchBackend
+
+    rows, vanilla = [], None
+    for label, draft_dir in drafts.items():
+        backend = TorchBackend(target_dir, draft_dir)
+        if vanilla is None:
+            gen = VanillaGenerator(backend)
+            vanilla = [gen.generate(p, max_new_tokens).output_ids for p in prompts]
+        for name, shape in shapes.items():
+            gen = SpeculativeGenerator(backend, shape)
+            emitted = cycles = same = 0
+            secs = 0.0
+            for p, ref in tqdm(list(zip(prompts, vanilla)), desc=f"tau {label} {name}", disable=not progress,
+                               position=loop.BAR_POSITION, leave=False):
+                r = gen.generate(p, max_new_tokens)
+                emitted += sum(r.accept_lengths)
+                cycles += len(r.accept_lengths)
+                same += r.output_ids == ref
+                secs += r.seconds
+            rows.append(TauRow(label, name, emitted / max(cycles, 1), same, len(prompts), secs))
+    return rows
+
+
+def format_table(rows: list[TauRow]) -> str:
+    """Markdown: one line per shape, one τ column per draft."""
+    drafts = list(dict.fromkeys(r.draft for r in rows))
+    shapes = list(dict.fromkeys(r.shape for r in rows))
+    by = {(r.draft, r.shape): r for r in rows}
+    lines = ["| tree | " + " | ".join(f"τ {d}" for d in drafts) + " | identical to vanilla |",
+             "|---|" + "---|" * len(drafts) + "---|"]
+    for s in shapes:
+        cells = [f"{by[d, s].tau:.2f}" if (d, s) in by else "-" for d in drafts]
+        ident = ", ".join(f"{by[d, s].identical}/{by[d, s].prompts}" for d in drafts if (d, s) in by)
+        lines.append(f"| {s} | " + " | ".join(cells) + f" | {ident} |")
+    return "\n".join(lines)

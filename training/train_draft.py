@@ -1,0 +1,81 @@
+"""`eaglex train-draft`: train an EAGLE head for any supported target from a JSONL file of prompts.
+
+1. The last `eval_prompts` prompts are held out for the τ report; the others are cut to their last `prompt_tokens`
+   tokens and continued by the target itself (selfdistill.py).
+2. The head trains on those sequences (EAGLE-3 with training-time test, or EAGLE-1/2).
+3. It is saved in the official layout, loaded back through models.eagle.load_draft, and its τ is measured on the
+   held-out prompts.
+Everything resumable lives under OUT/checkpoints/: the generated data and the optimiser state.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .eagle1 import Eagle1Config, save_eagle1, train_eagle1
+from .eagle3 import Eagle3Config, save_eagle3, train_eagle3
+from .loop import default_threads
+from .report import SHAPES, format_table, tau_table
+from .selfdistill import SelfDistillConfig, SelfDistillData, generate
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    method: str = "eagle3"              # eagle3 | eagle1
+    steps: int = 1000
+    prompt_tokens: int = 64             # prompts are cut to their last prompt_tokens tokens
+    min_prompt_tokens: int = 4          # shorter prompts are skipped
+    eval_prompts: int = 8               # the last lines of the data file, never trained on
+    eval_new_tokens: int = 128
+    selfdistill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    eagle1: Eagle1Config = field(default_factory=Eagle1Config)
+
+
+def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
+                cfg: TrainDraftConfig = TrainDraftConfig(), threads: int | None = None) -> dict:
+    """Returns the report written to OUT/train_report.json."""
+    from eaglex.models.errors import ModelError
+    from eaglex.models.target import load_target
+    from eaglex.prompts import load_tokenizer, read_prompts
+
+    if cfg.method not in ("eagle3", "eagle1"):
+        raise ModelError(f"--method must be eagle3 or eagle1, got {cfg.method!r}")
+    if cfg.steps < 1:
+        raise ModelError(f"--steps must be >= 1, got {cfg.steps}")
+    out, threads = Path(out), threads or default_threads()
+    ckpt = out / "checkpoints"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    target = load_target(target_dir)
+    prompts = read_prompts(data_file, load_tokenizer(target_dir))
+    if len(prompts) <= cfg.eval_prompts:
+        raise ModelError(f"{data_file} holds {len(prompts)} prompts; need more than the {cfg.eval_prompts} "
+                         "held out for the τ report")
+    train_prompts = [p[-cfg.prompt_tokens:] for p in prompts[:-cfg.eval_prompts] if len(p) >= cfg.min_prompt_tokens]
+    eval_prompts = [p[-cfg.prompt_tokens:] for p in prompts[-cfg.eval_prompts:]]
+    if not train_prompts:
+        raise ModelError(f"{data_file}: no training prompt has {cfg.min_prompt_tokens} tokens or more")
+
+    data_file_ckpt = ckpt / "selfdistill.pt"
+    if data_file_ckpt.is_file():
+        data = SelfDistillData.load(data_file_ckpt)
+    else:
+        data = generate(target.hf, train_prompts, cfg.selfdistill)
+        data.save(data_file_ckpt)
+    eos = target.spec.eos_ids[0] if target.spec.eos_ids else None
+    if cfg.method == "eagle3":
+        hcfg = replace(cfg.eagle3, optim=replace(cfg.eagle3.optim, steps=cfg.steps))
+        head, config, t2d, losses = train_eagle3(target, data, hcfg, eos, ckpt / "eagle3.pt", threads)
+        save_eagle3(head, config, t2d, out)
+    else:
+        hcfg = replace(cfg.eagle1, optim=replace(cfg.eagle1.optim, steps=cfg.steps))
+        head, config, losses = train_eagle1(target, data, hcfg, eos, ckpt / "eagle1.pt", threads)
+        save_eagle1(head, config, target, out)
+    rows = tau_table(target_dir, {cfg.method: out}, eval_prompts, SHAPES, cfg.eval_new_tokens)
+    print(format_table(rows))
+    report = {"method": cfg.method, "steps": cfg.steps, "train_sequences": int(data.tokens.shape[0]),
+              "sequence_length": int(data.tokens.shape[1]), "first_loss": losses[0], "final_loss": losses[-1],
+              "tau": [asdict(r) for r in rows], "config": asdict(cfg)}
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
