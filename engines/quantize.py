@@ -151,14 +151,11 @@ def target_parity(float_dir: Path, quant_dir: Path, m: dict, seed: int = 0) -> d
     step over the float graph's own KV cache. Relative L2 error of the logits and top-1 agreement over all rows."""
     import onnxruntime as ort
 
-    from eaglex.runtime.ort_session import use_global_pool
+    from eaglex.runtime.ort_session import session_options
 
     spec = m["target"]["spec"]
     file = m["graphs"]["target"]["file"]
-    use_global_pool()              # ORT refuses per-session threads once the process-wide pool exists
-    so = ort.SessionOptions()
-    so.use_per_session_threads = False
-    so.log_severity_level = 3
+    so = session_options()         # the runtime's: on the process-wide pool, FP8 weights folded as the engine runs
     ref = ort.InferenceSession(str(float_dir / file), so, providers=["CPUExecutionProvider"])
     new = ort.InferenceSession(str(quant_dir / file), so, providers=["CPUExecutionProvider"])
     dtype = {"float32": np.float32, "float16": np.float16}[m["dtype"]]

@@ -15,8 +15,9 @@ the right MatMul.
 fp8_qdq (why this form): standard ONNX `QuantizeLinear`/`DequantizeLinear` in float8e4m3fn (opset >= 19), weights
 stored as FP8 initializers behind a DequantizeLinear (the "DQ-only weight" form ModelOpt's own ONNX exporter emits),
 activations through a Q/DQ pair with the calibrated static per-tensor scale. TensorRT and ONNX Runtime's TensorRT EP
-fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM and dequantizes the weight on every run, so on CPU
-the graph is for validation and storage (onnx.md §4: 40-50x slower than fp32 for one token).
+fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM: eaglex's sessions fold the weight DQs into float
+constants at load (runtime/ort_session.py), so on CPU the graph runs at about fp32 speed with the same FP8 numbers
+(unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: onnx.md §4, 40-50x slower).
 
 int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=4
 (int8 activations inside the kernel): the fast quantized path of ONNX Runtime on CPU (onnx.md §4: 0.04 ms against

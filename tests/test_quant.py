@@ -316,6 +316,50 @@ def test_fp8_engine_check_is_token_exact(float_engine, calibrated, models, tmp_p
     _check_engine(e, tmp_path, prompts, capsys)
 
 
+def _target_steps(sess, spec, ids, prefill: int, chunk: int):
+    """Logits of ids[prefill:] and the final KV cache, fed `chunk` tokens per call after a prefill (causal mask)."""
+    L, kv, hd = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
+    past = [np.zeros((1, kv, 0, hd), dtype=np.float32)] * (2 * L)
+    logits, P = [], 0
+    for start in [0] + list(range(prefill, ids.shape[1], chunk)):
+        tokens = ids[:, start:prefill] if start == 0 else ids[:, start:start + chunk]
+        N = tokens.shape[1]
+        mask = np.ones((1, 1, N, P + N), dtype=bool)
+        mask[..., P:] = np.tril(np.ones((N, N), dtype=bool))
+        feeds = {"input_ids": tokens, "position_ids": np.arange(P, P + N)[None], "attn_mask": mask,
+                 "logits_rows": np.arange(N)}
+        for i in range(L):
+            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        past = [out[f"present_{k}_{i}"] for i in range(L) for k in ("key", "value")]
+        if start:
+            logits.append(out["logits"][0])
+        P += N
+    return np.concatenate(logits), past
+
+
+@needs_modelopt
+def test_fp8_target_rows_do_not_depend_on_the_call(float_engine, calibrated, tmp_path, prompts):
+    """Regression (models/tiny FP8 engine: `eaglex check` 11/12, a flip at logit margin 0.0025): greedy speculative
+    == vanilla needs a token's logits and KV rows to be the same whether the target computes it alone (vanilla step)
+    or among others (tree verification). With the DQ-only FP8 weights dequantized on every run, ORT's MatMul took
+    its M=1 kernel for one token and the GEMM for many; the last-bit differences, rounded by the activations' FP8
+    Q/DQ, became whole FP8 steps. The runtime's sessions fold the weights (packed, M-independent): bit-identical."""
+    from eaglex.runtime.ort_session import open_session
+
+    e = _copy_engine(float_engine, tmp_path / "fp8")
+    m = quantize_engine(e, "fp8", calibrated[0], progress=False)
+    sess = open_session(e / m["graphs"]["target"]["file"], m["engine_id"], "target")
+    spec = m["target"]["spec"]
+    ids = np.array([[t for p in prompts[:6] for t in p][:56]], dtype=np.int64)
+    alone, kv_alone = _target_steps(sess, spec, ids, 24, 1)
+    for chunk in (4, 16):
+        together, kv_together = _target_steps(sess, spec, ids, 24, chunk)
+        np.testing.assert_array_equal(alone, together, err_msg=f"logits, {chunk} tokens per call")
+        for a, b in zip(kv_alone, kv_together):
+            np.testing.assert_array_equal(a, b, err_msg=f"KV cache, {chunk} tokens per call")
+
+
 def test_quantize_engine_errors(float_engine, tmp_path, models):
     e = _copy_engine(float_engine, tmp_path / "e")
     before = sorted(p.name for p in e.iterdir())
