@@ -42,6 +42,14 @@ engine: $(STAMP) $(SEEDED) ## build + check the engine of MODEL (default tiny) w
 		$(if $(DRAFT_DIR),--draft-dir $(DRAFT_DIR)) $(if $(FORCE),--force)
 
 BENCH_OUT ?= build/bench.json
+# Quantized engines of the embedded default, benched after engines/tiny in the same table (rows ort:tiny-Q) and built
+# when absent: int8 (weight-only) from the target alone, fp8 from the scales of `eaglex calibrate` on the held-out
+# corpus, kept in $(BENCH_TINY_CAL) (calibrated when absent). BENCH_TINY_QUANT= leaves them out.
+BENCH_TINY_QUANT ?= int8 fp8
+BENCH_TINY_CAL   ?= build/tiny-fp8
+bench_tiny_quant = [ -d engines/tiny-$(1) ] || $(BIN)/eaglex build --target models/tiny/target \
+	--draft models/tiny/eagle3 --backend onnxruntime --out engines/tiny-$(1) --quant $(1) \
+	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL))
 # The memory-bound target of issue 3: a seeded 0.5B Llama (H=1536, 16 layers, GQA 24/6, V=32000, fp32 2 GB) and an
 # EAGLE-3 head (Vd=8000) that agrees with it at a known rate (tests/bench_models.py), built once into
 # $(BENCH_BIG)/ and $(BENCH_BIG_ENGINE)/ (delete them, or run the script with --force, to rebuild).
@@ -53,7 +61,11 @@ BENCH_BIG_ARGS   ?= --max-new-tokens 64
 bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and a seeded 0.5B target ($(BENCH_BIG_OUT))
 	@if [ -d models/tiny/target ] && [ ! -d engines/tiny ]; then $(MAKE) engine; fi
 	@if [ -d models/tiny/target ]; then \
+		$(if $(filter fp8,$(BENCH_TINY_QUANT)),[ -d engines/tiny-fp8 ] || [ -d $(BENCH_TINY_CAL) ] || \
+			$(BIN)/eaglex calibrate --target models/tiny/target --out $(BENCH_TINY_CAL) --data builtin || exit 1;) \
+		$(foreach q,$(BENCH_TINY_QUANT),$(call bench_tiny_quant,$(q)) || exit 1;) \
 		$(BIN)/eaglex bench --target models/tiny/target --draft models/tiny/eagle3 --engine engines/tiny \
+			$(BENCH_TINY_QUANT:%=--engine engines/tiny-%) \
 			--draft-lm models/tiny/draft_lm --prompts models/tiny/heldout.jsonl --out $(BENCH_OUT); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
 	$(BIN)/python tests/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
