@@ -66,7 +66,7 @@ bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and
 		$(foreach q,$(BENCH_TINY_QUANT),$(call bench_tiny_quant,$(q)) || exit 1;) \
 		$(BIN)/eaglex bench --target models/tiny/target --draft models/tiny/eagle3 --engine engines/tiny \
 			$(BENCH_TINY_QUANT:%=--engine engines/tiny-%) \
-			--draft-lm models/tiny/draft_lm --prompts models/tiny/heldout.jsonl --out $(BENCH_OUT); \
+			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --out $(BENCH_OUT); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
 	$(BIN)/python tests/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \

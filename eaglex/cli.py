@@ -455,8 +455,8 @@ def _engine_trtllm(preset, target_dir, draft_dir, out, force) -> int:
 def cmd_engine(args) -> int:
     """Build (or reuse) the preset's engine, run the equivalence check, then a side-by-side demo."""
     from eaglex.engines.manifest import read_manifest
-    from eaglex.prompts import BUILTIN_PROMPTS, encode, load_tokenizer
-    from eaglex.presets import get_preset, preset_folders
+    from eaglex.prompts import BUILTIN_PROMPTS, encode, load_tokenizer, read_prompts
+    from eaglex.presets import REPO_ROOT, get_preset, preset_folders
     from eaglex.runtime.equivalence import check_greedy
     from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 
@@ -484,9 +484,13 @@ def cmd_engine(args) -> int:
         from eaglex.runtime.torch_backend import TorchBackend
         backend = TorchBackend(target_dir, draft_dir)
     tok = load_tokenizer(target_dir)
-    texts = BUILTIN_PROMPTS
-    prompts = [encode({"prompt": t}, tok, False, "builtin prompt") for t in texts] if tok else \
-        [[(7 * i + j) % backend.spec.vocab_size for j in range(1, 9)] for i in range(len(texts))]
+    prompt_file = REPO_ROOT / preset.prompts if preset.prompts else None
+    if prompt_file is not None and prompt_file.is_file():   # the preset's own held-out prompts (never trained on)
+        prompts = read_prompts(prompt_file, tok)
+    elif tok:
+        prompts = [encode({"prompt": t}, tok, False, "builtin prompt") for t in BUILTIN_PROMPTS]
+    else:
+        prompts = [[(7 * i + j) % backend.spec.vocab_size for j in range(1, 9)] for i in range(len(BUILTIN_PROMPTS))]
     tree = _tune_engine(backend, out if backend_name == "onnxruntime" else None, prompts)
     rows = check_greedy(backend, tree, prompts, args.max_new_tokens)
     bad = [r.index for r in rows if not r.identical]

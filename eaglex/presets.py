@@ -25,11 +25,12 @@ class Preset:
     hardware: str             # what it needs, said plainly in the README and in errors
     quant: str = "none"
     local: bool = False
+    prompts: str | None = None  # check/demo prompts (a path under the repository); None: eaglex.prompts.BUILTIN_PROMPTS
 
 
 PRESETS = {p.name: p for p in [
     Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
-           "any CPU; about 100 MB of RAM", local=True),
+           "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),
     Preset("llama3-8b", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "onnxruntime",
            "CPU: 40 GB RAM for the float32 export (16 GB of weights); GPU: one 24 GB card"),
     Preset("llama3-70b", "meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",

@@ -21,7 +21,7 @@ from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle1 import head_config as eagle1_config
 from eaglex.training.eagle3 import Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, vocab_map
-from eaglex.training.heads import new_head, teacher
+from eaglex.training.heads import Teacher, new_head, teacher
 from eaglex.training.loop import OptimConfig
 from eaglex.training.report import tau_table
 from eaglex.training.selfdistill import SelfDistillConfig, generate
@@ -173,6 +173,22 @@ def test_target_and_draft_lm_trainers_learn(tmp_path):
                            batch=8, optim=FAST)
     _, lm_losses = train_draft_lm(lm_cfg, sd, stream, tok.get_vocab_size(), eos, threads=1)
     assert falls(lm_losses), lm_losses
+
+
+def test_teacher_cache_matches_the_per_step_forward(llama, selfdistill):
+    llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+    keep = torch.arange(0, llama.spec.vocab_size, 2)                     # a draft vocabulary of every other id
+    cached = Teacher(llama, selfdistill.tokens, keep, cache_gb=1.0, batch=3)
+    direct = Teacher(llama, selfdistill.tokens, keep, cache_gb=0.0)
+    assert cached.cached and not direct.cached
+    idx = torch.tensor([5, 0, 3, 3])
+    (lc, tc, fc), (ld, td, fd) = cached(idx), direct(idx)
+    assert lc.shape == ld.shape == (4, selfdistill.tokens.shape[1], keep.numel())
+    torch.testing.assert_close(lc, ld, rtol=1e-2, atol=1e-2)             # cached logits are bfloat16
+    assert torch.equal(tc, td)
+    torch.testing.assert_close(fc, fd, rtol=1e-5, atol=1e-5)
+    full, _ = teacher(llama, selfdistill.tokens[idx])
+    assert torch.equal(td, full.argmax(-1)) and torch.equal(ld, full[..., keep])
 
 
 def test_eagle3_and_eagle1_trainers_learn(llama, selfdistill):

@@ -11,7 +11,7 @@ import torch
 from .data import sample_windows
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
-from .target import TargetConfig, save_target
+from .target import save_target
 
 
 @dataclass(frozen=True)

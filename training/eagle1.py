@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target
 
-from .heads import causal_cache, causal_mask, new_head, save_head, teacher
+from .heads import Teacher, causal_cache, causal_mask, new_head, save_head
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -34,6 +34,7 @@ class Eagle1Config:
     value_weight: float = 1.0
     token_weight: float = 0.1
     loss_on_prompt: bool = True
+    teacher_cache_gb: float = 4.0          # compute the target's outputs once when they fit (heads.Teacher)
     batch: int = 8
     seed: int = 0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=2e-3, warmup=30))
@@ -67,10 +68,10 @@ def head_config(target: Target, cfg: Eagle1Config, eos_id: int | None) -> dict:
     }
 
 
-def eagle1_loss(head: DraftHead, target: Target, tokens: torch.Tensor, loss_mask: torch.Tensor, cfg: Eagle1Config,
-                gen: torch.Generator) -> tuple[torch.Tensor, dict]:
-    """tokens [B,T], loss_mask [B,T] bool (per predicted feature position) -> (loss, metrics)."""
-    logits, feats = teacher(target, tokens)                              # [B,T,V], [B,T,H] final-normed
+def eagle1_loss(head: DraftHead, logits: torch.Tensor, feats: torch.Tensor, tokens: torch.Tensor,
+                loss_mask: torch.Tensor, cfg: Eagle1Config, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """The teacher's logits [B,T,V] and final-normed features [B,T,H] for tokens [B,T], loss_mask [B,T] bool (per
+    predicted feature position) -> (loss, metrics)."""
     B, T = tokens.shape
     n = T - 1
     x = feats[:, :n].float()
@@ -98,11 +99,13 @@ def train_eagle1(target: Target, data: SelfDistillData, cfg: Eagle1Config, eos_i
     mask = data.loss_mask(cfg.loss_on_prompt)
     config = head_config(target, cfg, eos_id)
     head = new_head(target, config, "eagle1")
+    teach = Teacher(target, data.tokens, None, cfg.teacher_cache_gb, cfg.batch)
 
     def loss_fn(step: int):
         gen = step_generator(cfg.seed, step)
         idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=gen)
-        return eagle1_loss(head, target, data.tokens[idx], mask[idx], cfg, gen)
+        logits, _, feats = teach(idx)
+        return eagle1_loss(head, logits, feats, data.tokens[idx], mask[idx], cfg, gen)
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle1",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),

@@ -24,7 +24,7 @@ import torch
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target, eagle3_taps, rope
 
-from .heads import new_head, save_head, teacher
+from .heads import Teacher, new_head, save_head
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -39,7 +39,8 @@ class Eagle3Config:
     step_weight: float = 0.8               # loss weight of step s: step_weight ** s
     loss_on_prompt: bool = True            # False: only continuation tokens count (official: assistant tokens)
     init_from_target: bool = True          # lm_head/norm start as the target's rows of the draft vocabulary
-    fc_init_rms: float | None = 1.0        # scale fc at init so its output has this RMS on the first batch
+    precondition_fc: bool = True           # train fc on per-dimension normalised features, fold the scale in
+    teacher_cache_gb: float = 4.0          # compute the target's outputs once when they fit (heads.Teacher)
     batch: int = 8
     seed: int = 0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=2e-3, warmup=30))
@@ -124,18 +125,23 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def ttt_loss(head: DraftHead, target: Target, tokens: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor,
-             steps: int, step_weight: float) -> tuple[torch.Tensor, dict]:
-    """tokens [B,T], loss_mask [B,T] bool (per input token, official convention) -> (weighted loss, metrics)."""
-    logits, feats = teacher(target, tokens)                              # [B,T,V], [B,T,3H]
+def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: torch.Tensor, tokens: torch.Tensor,
+             loss_mask: torch.Tensor, t2d: torch.Tensor, steps: int, step_weight: float,
+             fscale: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The teacher's outputs for tokens [B,T] (heads.Teacher: logits [B,T,Vd] over the draft vocabulary, full
+    argmax [B,T], features [B,T,3H]) and loss_mask [B,T] bool (per input token, official convention) ->
+    (weighted loss, metrics).
+
+    fscale [3H]: multiplies the target features before fc (training-time preconditioning, see feature_scale());
+    None feeds them raw, as inference does.
+    """
     B, T = tokens.shape
     n = T - 1                                                            # slots 0..T-2
-    used = t2d.nonzero().squeeze(1)                                      # [Vd] draft id -> target id, ascending
     # The teacher at position j: softmax over the draft vocabulary, counted where the target's argmax is in it.
-    p_all = torch.softmax(logits[:, 1:, used], -1)                       # [B,n,Vd] (position j = slot + 1)
-    m_all = loss_mask[:, 1:] & t2d[logits[:, 1:].argmax(-1)]             # [B,n]
-    del logits
-    hidden = head.fc(feats[:, :n])
+    p_all = torch.softmax(logits[:, 1:], -1)                             # [B,n,Vd] (position j = slot + 1)
+    m_all = loss_mask[:, 1:] & t2d[top[:, 1:]]                           # [B,n]
+    x = feats[:, :n] if fscale is None else feats[:, :n] * fscale
+    hidden = head.fc(x)
     kv: list = []
     total, metrics = 0.0, {}
     for s in range(steps):
@@ -173,24 +179,40 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
         with torch.no_grad():
             head.lm_head.weight.copy_(target.lm_head.weight[t2d.nonzero().squeeze(1)])
             head.norm.weight.copy_(target.inner.norm.weight)
-    if cfg.fc_init_rms:   # raw residual-stream features are large (RMS ~ 10-100): a default-initialised fc
-        # makes the residual swamp the token embedding's contribution, and the head learns slowly
-        idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, -1))
-        with torch.no_grad():
-            _, feats = teacher(target, data.tokens[idx])
-            head.fc.weight.mul_(cfg.fc_init_rms / head.fc(feats).pow(2).mean().sqrt())
+    teach = Teacher(target, data.tokens, t2d.nonzero().squeeze(1), cfg.teacher_cache_gb, cfg.batch)
+    scale = feature_scale(teach, data, cfg) if cfg.precondition_fc else None
     coverage = float(data.token_counts(target.spec.vocab_size, mask)[t2d].sum()) / max(1, int(mask.sum()))
     print(f"eagle3: draft vocabulary {cfg.draft_vocab_size} of {target.spec.vocab_size} covers "
           f"{100 * coverage:.1f}% of the training tokens")
 
     def loss_fn(step: int):
         idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, step))
-        return ttt_loss(head, target, data.tokens[idx], mask[idx], t2d, cfg.ttt_steps, cfg.step_weight)
+        return ttt_loss(head, *teach(idx), data.tokens[idx], mask[idx], t2d, cfg.ttt_steps, cfg.step_weight, scale)
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle3 (TTT)",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),
                     "target": digest(target.embed_weight, target.lm_head.weight)})
+    if scale is not None:   # fc(x * scale) == (fc.weight * scale) x: the saved head is a plain official fc
+        with torch.no_grad():
+            head.fc.weight.mul_(scale)
     return head, config, t2d, losses
+
+
+@torch.no_grad()
+def feature_scale(teach: Teacher, data: SelfDistillData, cfg: Eagle3Config, batches: int = 4) -> torch.Tensor:
+    """[3H] 1 / RMS of each fused-feature dimension over a few batches.
+
+    The target's residual stream carries a few huge dimensions (RMS ~ 100 against ~ 1 for most), and Adam moves
+    every weight by about the learning rate whatever its input's size, so an fc fed raw features is driven by the
+    outliers and barely learns from the rest. Training fc on normalised inputs and folding the scale into its
+    weight afterwards conditions the problem without changing the head's architecture or file format.
+    """
+    gen = step_generator(cfg.seed, -1)
+    sq = 0.0
+    for _ in range(batches):
+        idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=gen)
+        sq = sq + teach(idx)[2].double().pow(2).mean((0, 1))
+    return (sq / batches).sqrt().clamp(min=1e-3).reciprocal().float()
 
 
 def save_eagle3(head: DraftHead, config: dict, t2d: torch.Tensor, out: str | Path) -> None:

@@ -57,6 +57,46 @@ def teacher(target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return target(tokens, torch.arange(T).expand(B, T), causal_mask(B, T), cache)
 
 
+class Teacher:
+    """What a head trainer reads from the frozen target for the sequences `idx`: logits over `keep` (the draft
+    vocabulary; None: all), the full-vocabulary argmax, and the head's input features.
+
+    When the whole data set's outputs fit in `cache_gb`, they are computed once, in float32 as inference runs the
+    target (features float32, logits bfloat16: they only feed a softmax target), and every step slices them: the
+    target's forward is a fifth of a training step otherwise. Larger data (a real target) runs the forward per
+    step, under the trainer's autocast.
+    """
+
+    def __init__(self, target: Target, tokens: torch.Tensor, keep: torch.Tensor | None = None,
+                 cache_gb: float = 0.0, batch: int = 8):
+        self.target, self.tokens, self.keep = target, tokens, keep
+        N, T = tokens.shape
+        V = target.spec.vocab_size if keep is None else keep.numel()
+        F = target.feature_size
+        self.cached = N * T * (2 * V + 4 * F + 8) <= cache_gb * 2 ** 30
+        if self.cached:
+            from tqdm import tqdm
+            self.logits = torch.empty(N, T, V, dtype=torch.bfloat16)
+            self.top = torch.empty(N, T, dtype=torch.long)
+            self.feats = torch.empty(N, T, F)
+            with torch.autocast("cpu", enabled=False):
+                for i in tqdm(range(0, N, batch), desc="teacher outputs", leave=False):
+                    self.logits[i:i + batch], self.top[i:i + batch], self.feats[i:i + batch] = \
+                        self._forward(tokens[i:i + batch])
+
+    def _forward(self, tokens: torch.Tensor):
+        logits, feats = teacher(self.target, tokens)
+        top = logits.argmax(-1)
+        return (logits if self.keep is None else logits[..., self.keep]), top, feats
+
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """idx [B] -> logits [B,T,V'] float32, argmax [B,T] int64, features [B,T,F] float32."""
+        if self.cached:
+            return self.logits[idx].float(), self.top[idx], self.feats[idx]
+        logits, top, feats = self._forward(self.tokens[idx])
+        return logits.float(), top, feats.float()
+
+
 def save_head(head: DraftHead, config: dict, out: str | Path, extra: dict[str, torch.Tensor]) -> None:
     """config.json + pytorch_model.bin: the head's floating tensors in float16 (like the official heads), plus
     `extra` (t2d, EAGLE-1's embed_tokens copy)."""
