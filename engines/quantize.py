@@ -6,7 +6,7 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
 - fp8:  FP8 Q/DQ from the scales of a calibrated ModelOpt checkpoint (`eaglex calibrate`). The KV cache stays in
         the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
         attention; the TensorRT-LLM bundle is where they are used).
-- int8: weight-only MatMulNBits (8 bits, blocks of 32, accuracy level 4); needs no calibration.
+- int8: weight-only MatMulNBits (8 bits, blocks of 32, accuracy level 1: float32 compute, row-invariant); needs no calibration.
 
 The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
 
@@ -33,7 +33,7 @@ QUANT_METHODS = ("fp8", "int8")
 FORMATS = {
     "fp8": "ONNX QuantizeLinear/DequantizeLinear float8e4m3fn (opset 23): FP8 weights (DQ), static per-tensor "
            "activation Q/DQ; lm_head and embeddings float",
-    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (weight-only)",
+    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=1 (weight-only)",
 }
 # Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
 EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": ()}

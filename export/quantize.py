@@ -19,9 +19,14 @@ fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM: eaglex's sessi
 constants at load (runtime/ort_session.py), so on CPU the graph runs at about fp32 speed with the same FP8 numbers
 (unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: onnx.md §4, 40-50x slower).
 
-int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=4
-(int8 activations inside the kernel): the fast quantized path of ONNX Runtime on CPU (onnx.md §4: 0.04 ms against
-0.12 ms fp32 for 1x2048x2048; at the default accuracy level it is slower than fp32).
+int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=1
+(float32 compute on the int8 weights). Not level 4 (int8 activations), although that is ONNX Runtime's fast CPU path
+(onnx.md §4: 0.04 ms against 0.12 ms fp32 for 1x2048x2048): its kernel for one row differs from its kernel for
+several, so a token computed alone (vanilla step) and the same token in a tree verification got logits up to 0.1
+apart (measured on models/tiny: rows bit-identical for 2..36 rows per call, not for 1), and `eaglex check` failed
+8/12. Level 1 rows agree to float32 rounding whatever the call, like a float32 engine; on CPU it is slower than
+float32 (the weights are dequantized on the fly) and buys memory, not speed. A lossless fast path needs every
+target call to carry two rows or more (future work).
 
 Both keep external data right: the input's `.onnx.data` is read with the graph, and the output goes to
 `<out>.data` when its weights exceed the threshold the exporter uses, else into the file itself. Graph metadata
@@ -45,7 +50,7 @@ from .onnx_export import EXTERNAL_DATA_ABOVE
 
 FP8_MAX = 448.0                      # largest finite float8e4m3fn
 INT8_BLOCK = 32
-INT8_ACCURACY_LEVEL = 4
+INT8_ACCURACY_LEVEL = 1   # see the module docstring: level 4 is not row-invariant
 # Relative L2 distance between a checkpoint's dequantized FP8 weight and the graph's float weight above which the
 # checkpoint is taken to come from another model (FP8 rounding alone gives about 2-3 %).
 FP8_WEIGHT_MISMATCH = 0.1

@@ -248,7 +248,7 @@ def build(out: Path, work: Path, cfg: TinyConfig = TinyConfig()) -> dict:
     sample = _sample(p.target, prompt["input_ids"], cfg.eval_new_tokens)
     seconds["total"] = round(time.perf_counter() - t_all, 1)
     manifest = {
-        "python": sys.version.split()[0], "platform": platform.platform(), "processor": platform.processor(),
+        "python": sys.version.split()[0], "platform": platform.platform(), "cpu": _cpu(),
         "torch": torch.__version__, "threads_per_lane": 1, "stdlib": cfg.corpus.root or str(corpus.stdlib_root()),
         **info, "default_tree": {"name": DEFAULT_SHAPE, **asdict(SHAPES[DEFAULT_SHAPE])},
         "tau": [asdict(r) for r in rows], "tau_table": table,
@@ -286,7 +286,9 @@ def model_card(m: dict) -> str:
 
 Trained from the Python {m["python"]} standard library sources ({c["train_files"]} files, {c["train_tokens"]:,}
 tokens; {c["heldout_files"]} files held out by path hash, never trained on), seeded, in
-{m["seconds"]["total"] / 60:.1f} minutes on two one-thread CPU lanes (torch {m["torch"]}).
+{m["seconds"]["total"] / 60:.1f} minutes on two one-thread CPU lanes (torch {m["torch"]}, CPU "{m["cpu"]["model"]}").
+A rerun reproduces these weights bit for bit on the same CPU type and library versions; another CPU's kernels round
+differently, so its weights (and τ) differ slightly.
 
 {table}
 
@@ -301,6 +303,20 @@ What it shows: real acceptance of heads trained by eaglex's own trainers on a ta
 CPU. What it cannot: the target is a {t["params"] / 1e6:.0f} M-parameter model trained for minutes; its greedy text
 is Python-like but repetitive, which makes drafting easier than on a real model. Real speedups need real weights.
 """
+
+
+def _cpu() -> dict:
+    """The CPU model and a digest of its feature flags: kernels (hence the last bits of the weights) depend on them."""
+    import hashlib
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return {"model": info.get("model name", platform.processor()),
+            "flags_sha256": hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:16]}
 
 
 def _tail(losses: list[float], n: int = 20) -> float:
