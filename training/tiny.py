@@ -10,7 +10,8 @@ count, never on the machine's load):
 
 Every stage caches its output in WORK/ under a key of everything it depends on, so an interrupted build resumes
 (trainers from their last checkpoint) and a finished one reruns in seconds. The same interpreter (the corpus),
-library versions and CPU type give the same weights; manifest.json records what went in and what came out.
+library versions give the same batches and initialisation; CPU kernels may round differently from one machine to
+another, and training amplifies that, so weights can differ slightly. manifest.json records what went in and what came out.
 """
 from __future__ import annotations
 
@@ -287,8 +288,9 @@ def model_card(m: dict) -> str:
 Trained from the Python {m["python"]} standard library sources ({c["train_files"]} files, {c["train_tokens"]:,}
 tokens; {c["heldout_files"]} files held out by path hash, never trained on), seeded, in
 {m["seconds"]["total"] / 60:.1f} minutes on two one-thread CPU lanes (torch {m["torch"]}, CPU "{m["cpu"]["model"]}").
-A rerun reproduces these weights bit for bit on the same CPU type and library versions; another CPU's kernels round
-differently, so its weights (and τ) differ slightly.
+Every batch and initialisation is seeded, but the weights are not guaranteed bit for bit across machines (CPU
+kernels are chosen by CPU features and round differently, and training amplifies that), so τ can move by about
+±0.1 on a rerun elsewhere.
 
 {table}
 
