@@ -59,7 +59,9 @@ class Row:
         self.decode_draft_seconds += r.draft_seconds - r.prefill_draft_seconds
 
     def as_dict(self) -> dict:
-        tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else 1.0
+        # transformers' assisted and prompt-lookup rows report no acceptance: their τ is unknown, not 1
+        tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else \
+            (1.0 if self.method in ("vanilla", "hf greedy") else None)
         hist = {str(k): self.accept_lengths.count(k) for k in sorted(set(self.accept_lengths))}
         per_cycle = lambda s: round(1e3 * s / self.cycles, 3) if self.cycles else None  # noqa: E731
         ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
@@ -73,7 +75,7 @@ class Row:
                 "speedup": ratio(self.baseline_seconds, self.seconds),
                 "decode_tokens_per_s": ratio(self.tokens - self.requests, self.decode_seconds),
                 "decode_speedup": decode_speedup,
-                "identical_to_vanilla": self.identical, "tau": round(tau, 3), "tau_histogram": hist,
+                "identical_to_vanilla": self.identical, "tau": None if tau is None else round(tau, 3), "tau_histogram": hist,
                 "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(draft),
                 "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
                 "predicted_speedup": self.predicted_speedup,
@@ -290,16 +292,17 @@ def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
 
 def print_table(rows: list[dict]) -> None:
     """e2e: whole requests (prefill included); decode: after the prefill, the part the cost model predicts."""
-    head = f"{'engine':<14} {'method':<8} {'tree':<16} {'tok/s':>7} {'e2e':>6} {'decode':>7} {'pred.':>6} " \
-           f"{'m/p':>5} {'tau':>5} {'same':>5} {'draft ms':>9} {'verify ms':>9} {'other ms':>9}"
+    head = f"{'engine':<14} {'method':<16} {'tree':<16} {'tok/s':>7} {'e2e':>6} {'decode':>7} {'vs HF':>6} " \
+           f"{'pred.':>6} {'m/p':>5} {'tau':>5} {'same':>5} {'draft ms':>9} {'verify ms':>9} {'other ms':>9}"
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
-        print(f"{r['engine']:<14} {r['method']:<8} {r['tree']:<16} {fmt(r['tokens_per_s'], '7.1f')} "
+        print(f"{r['engine']:<14} {r['method']:<16} {r['tree']:<16} {fmt(r['tokens_per_s'], '7.1f')} "
               f"{fmt(r['speedup'], '5.2f')}x {fmt(r.get('decode_speedup'), '6.2f')}x "
+              f"{fmt(r.get('vs_hf_greedy'), '5.2f')}x "
               f"{fmt(r.get('predicted_speedup'), '6.2f')} {fmt(r.get('measured_over_predicted'), '5.2f')} "
-              f"{r['tau']:>5.2f} {'yes' if r['identical_to_vanilla'] else 'NO':>5} "
+              f"{fmt(r['tau'], '5.2f')} {'yes' if r['identical_to_vanilla'] else 'NO':>5} "
               f"{fmt(r.get('draft_ms_per_cycle'), '9.2f')} {fmt(r.get('verify_ms_per_cycle'), '9.2f')} "
               f"{fmt(r.get('other_ms_per_cycle'), '9.2f')}")
 
