@@ -6,7 +6,8 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
 - fp8:  FP8 Q/DQ from the scales of a calibrated ModelOpt checkpoint (`eaglex calibrate`). The KV cache stays in
         the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
         attention; the TensorRT-LLM bundle is where they are used).
-- int8: weight-only MatMulNBits (8 bits, blocks of 32, accuracy level 1: float32 compute, row-invariant); needs no calibration.
+- int8: weight-only MatMulNBits (8 bits, blocks of 32, accuracy level 1: float32 compute, row-invariant); needs no
+  calibration.
 
 The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
 

@@ -5,13 +5,14 @@
 Two lanes of one thread each use both cores and stay deterministic (a CPU kernel's result can depend on the thread
 count, never on the machine's load):
 
-    main lane:  tokenizer -> target -> self-distillation data -> EAGLE-3 head ------------------> τ of EAGLE-3 (half)
-    side lane:                draft LM (corpus)       (other half) -> EAGLE-1/2 head -> τ of EAGLE-1/2 -> τ of EAGLE-3 (half)
+    main lane:  tokenizer -> target -> self-distillation (half) -> EAGLE-3 head ----------------> τ EAGLE-3 (half)
+    side lane:                draft LM  self-distillation (half) -> EAGLE-1/2 head -> τ EAGLE-1/2 -> τ EAGLE-3 (half)
 
 Every stage caches its output in WORK/ under a key of everything it depends on, so an interrupted build resumes
 (trainers from their last checkpoint) and a finished one reruns in seconds. The same interpreter (the corpus),
 library versions give the same batches and initialisation; CPU kernels may round differently from one machine to
-another, and training amplifies that, so weights can differ slightly. manifest.json records what went in and what came out.
+another, and training amplifies that, so weights can differ slightly. manifest.json records what went in and what
+came out.
 """
 from __future__ import annotations
 
