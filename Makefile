@@ -47,6 +47,8 @@ BENCH_OUT ?= build/bench.json
 # corpus, kept in $(BENCH_TINY_CAL) (calibrated when absent). BENCH_TINY_QUANT= leaves them out.
 BENCH_TINY_QUANT ?= int8 fp8
 BENCH_TINY_CAL   ?= build/tiny-fp8
+# The tiny bench runs the first BENCH_TINY_PROMPTS of models/tiny/prompts.jsonl (all 48 take twice the time).
+BENCH_TINY_PROMPTS ?= 24
 bench_tiny_quant = [ -d engines/tiny-$(1) ] || $(BIN)/eaglex build --target models/tiny/target \
 	--draft models/tiny/eagle3 --backend onnxruntime --out engines/tiny-$(1) --quant $(1) \
 	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL))
@@ -66,7 +68,8 @@ bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and
 		$(foreach q,$(BENCH_TINY_QUANT),$(call bench_tiny_quant,$(q)) || exit 1;) \
 		$(BIN)/eaglex bench --target models/tiny/target --draft models/tiny/eagle3 --engine engines/tiny \
 			$(BENCH_TINY_QUANT:%=--engine engines/tiny-%) \
-			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --out $(BENCH_OUT); \
+			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS) \
+			--out $(BENCH_OUT); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
 	$(BIN)/python tests/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \

@@ -21,7 +21,7 @@ from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle1 import head_config as eagle1_config
 from eaglex.training.eagle3 import Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, vocab_map
-from eaglex.training.heads import Teacher, new_head, teacher
+from eaglex.training.heads import Teacher, new_head, teacher, teacher_outputs
 from eaglex.training.loop import OptimConfig
 from eaglex.training.report import tau_table
 from eaglex.training.selfdistill import SelfDistillConfig, generate
@@ -189,6 +189,23 @@ def test_teacher_cache_matches_the_per_step_forward(llama, selfdistill):
     torch.testing.assert_close(fc, fd, rtol=1e-5, atol=1e-5)
     full, _ = teacher(llama, selfdistill.tokens[idx])
     assert torch.equal(td, full.argmax(-1)) and torch.equal(ld, full[..., keep])
+
+
+def test_teacher_cache_in_parts_equals_the_whole(llama, selfdistill):
+    """make tiny computes halves of the EAGLE-3 teacher cache in two processes: rows from a batch boundary on must
+    be bit for bit the whole's, and Teacher must take the joined parts."""
+    llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+    keep = torch.arange(0, llama.spec.vocab_size, 2)
+    tokens = selfdistill.tokens
+    whole = teacher_outputs(llama, tokens, keep, batch=3)
+    parts = [teacher_outputs(llama, tokens[a:b], keep, batch=3) for a, b in ((0, 6), (6, tokens.shape[0]))]
+    joined = tuple(torch.cat(p) for p in zip(*parts))
+    assert all(torch.equal(w, j) for w, j in zip(whole, joined))
+    given = Teacher(llama, tokens, keep, batch=3, outputs=joined)
+    idx = torch.tensor([1, 7])
+    assert all(torch.equal(a, b) for a, b in zip(given(idx), Teacher(llama, tokens, keep, 1.0, 3)(idx)))
+    with pytest.raises(ValueError, match="do not fit"):
+        Teacher(llama, tokens[:4], keep, outputs=joined)
 
 
 def test_eagle3_and_eagle1_trainers_learn(llama, selfdistill):

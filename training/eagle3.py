@@ -164,14 +164,26 @@ def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: to
 
 # ------------------------------------------------------------------------------------------------ train / save
 
-def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_id: int | None = None,
-                 checkpoint: Path | None = None, threads: int | None = None):
-    """Returns (head, config dict, t2d, per-step losses)."""
-    seed_everything(cfg.seed, threads)
-    target.set_features("eagle3", eagle3_taps(target.spec.num_layers))
+def draft_vocab(target: Target, data: SelfDistillData, cfg: Eagle3Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from the frequencies of the tokens the head will be asked to predict."""
     mask = data.loss_mask(cfg.loss_on_prompt)
-    # d2t/t2d from the frequencies of the tokens the head will be asked to predict
-    d2t, t2d = vocab_map(data.token_counts(target.spec.vocab_size, mask), cfg.draft_vocab_size)
+    return vocab_map(data.token_counts(target.spec.vocab_size, mask), cfg.draft_vocab_size)
+
+
+def prepare_teacher(target: Target, data: SelfDistillData, cfg: Eagle3Config) -> torch.Tensor:
+    """Point the target's features at EAGLE-3's taps; returns the draft vocabulary's target ids (Teacher's keep)."""
+    target.set_features("eagle3", eagle3_taps(target.spec.num_layers))
+    return draft_vocab(target, data, cfg)[1].nonzero().squeeze(1)
+
+
+def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_id: int | None = None,
+                 checkpoint: Path | None = None, threads: int | None = None, teacher_cache: tuple | None = None):
+    """Returns (head, config dict, t2d, per-step losses). `teacher_cache`: heads.teacher_outputs of the data for
+    prepare_teacher's vocabulary, computed elsewhere (make tiny splits it over two processes)."""
+    seed_everything(cfg.seed, threads)
+    keep = prepare_teacher(target, data, cfg)
+    mask = data.loss_mask(cfg.loss_on_prompt)
+    d2t, t2d = draft_vocab(target, data, cfg)
     config = head_config(target, cfg, eos_id)
     head = new_head(target, config, "eagle3")
     head.d2t.copy_(d2t)
@@ -179,7 +191,7 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
         with torch.no_grad():
             head.lm_head.weight.copy_(target.lm_head.weight[t2d.nonzero().squeeze(1)])
             head.norm.weight.copy_(target.inner.norm.weight)
-    teach = Teacher(target, data.tokens, t2d.nonzero().squeeze(1), cfg.teacher_cache_gb, cfg.batch)
+    teach = Teacher(target, data.tokens, keep, cfg.teacher_cache_gb, cfg.batch, teacher_cache)
     scale = feature_scale(teach, data, cfg) if cfg.precondition_fc else None
     coverage = float(data.token_counts(target.spec.vocab_size, mask)[t2d].sum()) / max(1, int(mask.sum()))
     print(f"eagle3: draft vocabulary {cfg.draft_vocab_size} of {target.spec.vocab_size} covers "

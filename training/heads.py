@@ -63,38 +63,56 @@ class Teacher:
 
     When the whole data set's outputs fit in `cache_gb`, they are computed once, in float32 as inference runs the
     target (features float32, logits bfloat16: they only feed a softmax target), and every step slices them
-    (on models/tiny: EAGLE-3 steps 1.6x, EAGLE-1/2 steps 4x faster). Larger data (a real target) runs the forward
-    per step, under the trainer's autocast.
+    (on models/tiny: EAGLE-3 steps 1.6x, EAGLE-1/2 steps 4x faster). `outputs` hands in that cache computed
+    elsewhere (teacher_outputs over row ranges in parallel processes: the same batches, the same numbers). Larger
+    data (a real target) runs the forward per step, under the trainer's autocast.
     """
 
     def __init__(self, target: Target, tokens: torch.Tensor, keep: torch.Tensor | None = None,
-                 cache_gb: float = 0.0, batch: int = 8):
+                 cache_gb: float = 0.0, batch: int = 8, outputs: tuple | None = None):
         self.target, self.tokens, self.keep = target, tokens, keep
         N, T = tokens.shape
         V = target.spec.vocab_size if keep is None else keep.numel()
         F = target.feature_size
-        self.cached = N * T * (2 * V + 4 * F + 8) <= cache_gb * 2 ** 30
-        if self.cached:
-            from tqdm import tqdm
-            self.logits = torch.empty(N, T, V, dtype=torch.bfloat16)
-            self.top = torch.empty(N, T, dtype=torch.long)
-            self.feats = torch.empty(N, T, F)
-            with torch.autocast("cpu", enabled=False):
-                for i in tqdm(range(0, N, batch), desc="teacher outputs", leave=False):
-                    self.logits[i:i + batch], self.top[i:i + batch], self.feats[i:i + batch] = \
-                        self._forward(tokens[i:i + batch])
-
-    def _forward(self, tokens: torch.Tensor):
-        logits, feats = teacher(self.target, tokens)
-        top = logits.argmax(-1)
-        return (logits if self.keep is None else logits[..., self.keep]), top, feats
+        self.cached = outputs is not None or N * T * (2 * V + 4 * F + 8) <= cache_gb * 2 ** 30
+        if outputs is not None:
+            self.logits, self.top, self.feats = outputs
+            if self.logits.shape != (N, T, V) or self.feats.shape != (N, T, F):
+                raise ValueError(f"teacher outputs {tuple(self.logits.shape)}/{tuple(self.feats.shape)} do not fit "
+                                 f"{N} sequences of {T} tokens, {V} logits and {F} features")
+        elif self.cached:
+            self.logits, self.top, self.feats = teacher_outputs(target, tokens, keep, batch)
 
     def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """idx [B] -> logits [B,T,V'] float32, argmax [B,T] int64, features [B,T,F] float32."""
         if self.cached:
             return self.logits[idx].float(), self.top[idx], self.feats[idx]
-        logits, top, feats = self._forward(self.tokens[idx])
+        logits, top, feats = _forward(self.target, self.tokens[idx], self.keep)
         return logits.float(), top, feats.float()
+
+
+def _forward(target: Target, tokens: torch.Tensor, keep: torch.Tensor | None):
+    logits, feats = teacher(target, tokens)
+    return (logits if keep is None else logits[..., keep]), logits.argmax(-1), feats
+
+
+@torch.no_grad()
+def teacher_outputs(target: Target, tokens: torch.Tensor, keep: torch.Tensor | None = None, batch: int = 8
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher's cache for tokens [N,T], in float32, `batch` rows per forward: logits [N,T,V'] bfloat16, argmax
+    [N,T] int64, features [N,T,F] float32. Rows [a, b) with a a multiple of `batch` give the same numbers as
+    rows a..b-1 of the whole (the forwards see the same batches)."""
+    from tqdm import tqdm
+
+    N, T = tokens.shape
+    V = target.spec.vocab_size if keep is None else keep.numel()
+    logits = torch.empty(N, T, V, dtype=torch.bfloat16)
+    top = torch.empty(N, T, dtype=torch.long)
+    feats = torch.empty(N, T, target.feature_size)
+    with torch.autocast("cpu", enabled=False):
+        for i in tqdm(range(0, N, batch), desc="teacher outputs", leave=False):
+            logits[i:i + batch], top[i:i + batch], feats[i:i + batch] = _forward(target, tokens[i:i + batch], keep)
+    return logits, top, feats
 
 
 def save_head(head: DraftHead, config: dict, out: str | Path, extra: dict[str, torch.Tensor]) -> None:

@@ -34,21 +34,31 @@ class TauRow:
     seconds: float
 
 
-def tau_table(target_dir: str | Path, drafts: dict[str, str | Path], prompts: list[list[int]],
-              shapes: dict[str, TreeConfig] = SHAPES, max_new_tokens: int = 128, progress: bool = True
-              ) -> list[TauRow]:
-    """One row per (draft, shape); `drafts` maps a label to a head folder."""
-    from tqdm import tqdm
-
-    from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+def vanilla_outputs(target_dir: str | Path, prompts: list[list[int]], max_new_tokens: int = 128,
+                    backend=None) -> list[list[int]]:
+    """Greedy continuations by the runtime without drafting: what every speculative output must equal."""
+    from eaglex.runtime.generate import VanillaGenerator
     from eaglex.runtime.torch_backend import TorchBackend
 
-    rows, vanilla = [], None
+    gen = VanillaGenerator(backend or TorchBackend(target_dir))
+    return [gen.generate(p, max_new_tokens).output_ids for p in prompts]
+
+
+def tau_table(target_dir: str | Path, drafts: dict[str, str | Path], prompts: list[list[int]],
+              shapes: dict[str, TreeConfig] = SHAPES, max_new_tokens: int = 128, progress: bool = True,
+              vanilla: list[list[int]] | None = None) -> list[TauRow]:
+    """One row per (draft, shape); `drafts` maps a label to a head folder. `vanilla`: vanilla_outputs of the
+    prompts, when already computed."""
+    from tqdm import tqdm
+
+    from eaglex.runtime.generate import SpeculativeGenerator
+    from eaglex.runtime.torch_backend import TorchBackend
+
+    rows = []
     for label, draft_dir in drafts.items():
         backend = TorchBackend(target_dir, draft_dir)
         if vanilla is None:
-            gen = VanillaGenerator(backend)
-            vanilla = [gen.generate(p, max_new_tokens).output_ids for p in prompts]
+            vanilla = vanilla_outputs(target_dir, prompts, max_new_tokens, backend)
         for name, shape in shapes.items():
             gen = SpeculativeGenerator(backend, shape)
             emitted = cycles = same = 0
