@@ -164,16 +164,12 @@ def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: to
 
 # ------------------------------------------------------------------------------------------------ train / save
 
-def draft_vocab(target: Target, data: SelfDistillData, cfg: Eagle3Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) from the frequencies of the tokens the head will be asked to predict."""
+def prepare_teacher(target: Target, data: SelfDistillData, cfg: Eagle3Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Point the target's features at EAGLE-3's taps; returns (d2t, t2d) from the frequencies of the tokens the
+    head will be asked to predict (t2d's ids are the Teacher's `keep`)."""
+    target.set_features("eagle3", eagle3_taps(target.spec.num_layers))
     mask = data.loss_mask(cfg.loss_on_prompt)
     return vocab_map(data.token_counts(target.spec.vocab_size, mask), cfg.draft_vocab_size)
-
-
-def prepare_teacher(target: Target, data: SelfDistillData, cfg: Eagle3Config) -> torch.Tensor:
-    """Point the target's features at EAGLE-3's taps; returns the draft vocabulary's target ids (Teacher's keep)."""
-    target.set_features("eagle3", eagle3_taps(target.spec.num_layers))
-    return draft_vocab(target, data, cfg)[1].nonzero().squeeze(1)
 
 
 def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_id: int | None = None,
@@ -181,15 +177,15 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
     """Returns (head, config dict, t2d, per-step losses). `teacher_cache`: heads.teacher_outputs of the data for
     prepare_teacher's vocabulary, computed elsewhere (make tiny splits it over two processes)."""
     seed_everything(cfg.seed, threads)
-    keep = prepare_teacher(target, data, cfg)
+    d2t, t2d = prepare_teacher(target, data, cfg)
+    keep = t2d.nonzero().squeeze(1)                                      # the draft vocabulary's target ids
     mask = data.loss_mask(cfg.loss_on_prompt)
-    d2t, t2d = draft_vocab(target, data, cfg)
     config = head_config(target, cfg, eos_id)
     head = new_head(target, config, "eagle3")
     head.d2t.copy_(d2t)
     if cfg.init_from_target:   # the official code starts lm_head at random; the target's rows train much faster
         with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head.weight[t2d.nonzero().squeeze(1)])
+            head.lm_head.weight.copy_(target.lm_head.weight[keep])
             head.norm.weight.copy_(target.inner.norm.weight)
     teach = Teacher(target, data.tokens, keep, cfg.teacher_cache_gb, cfg.batch, teacher_cache)
     scale = feature_scale(teach, data, cfg) if cfg.precondition_fc else None

@@ -173,13 +173,20 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     from .eagle3 import prepare_teacher
     from .heads import teacher_outputs
 
-    target = load_target(p.target)
     sd = SelfDistillData.load(p.work / "selfdistill.pt")
-    keep = prepare_teacher(target, sd, cfg.eagle3)
-    a, b = _teacher_rows(sd.tokens.shape[0], cfg.eagle3.batch, half)
+    e3 = cfg.eagle3
+    a, b = _teacher_rows(sd.tokens.shape[0], e3.batch, half)
+    key = {"target": _target_digest(p.target), "data": digest(sd.tokens, sd.prompt_len), "rows": [a, b],
+           "vocab": [e3.draft_vocab_size, e3.loss_on_prompt], "batch": e3.batch}
+    key_file = p.work / f"teacher3_{half}.json"
+    if _cached(key_file, key):
+        return
+    target = load_target(p.target)
+    keep = prepare_teacher(target, sd, e3)[1].nonzero().squeeze(1)
     tmp = p.work / f"teacher3_{half}.tmp"
-    torch.save(teacher_outputs(target, sd.tokens[a:b], keep, cfg.eagle3.batch), tmp)
+    torch.save(teacher_outputs(target, sd.tokens[a:b], keep, e3.batch), tmp)
     tmp.replace(p.work / f"teacher3_{half}.pt")
+    _write_key(key_file, key)
 
 
 def stage_eagle3(p: Paths, cfg: TinyConfig) -> dict:
