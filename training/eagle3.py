@@ -15,6 +15,7 @@ pytorch_model.bin in float16 with fc / midlayer.* / norm / lm_head / d2t / t2d a
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target, eagle3_taps, rope
 
 from .heads import Teacher, new_head, save_head
-from .loop import OptimConfig, digest, seed_everything, step_generator, train
+from .loop import OptimConfig, digest, logged, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
 
@@ -96,12 +97,14 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
               kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One TTT step of the midlayer over all slots: hidden [B,n,H] (pre-fc'd), input_ids [B,n] -> [B,n,H].
 
-    kv collects each step's (keys, values) [B,Hkv,n,D]; keys of step 0 are attended causally, those of later
-    steps only on the diagonal (eagle.md §5.1).
+    kv collects each step's (keys, values), already repeated to the query heads (GQA: query head i reads kv head
+    i // rep) [B,nh,n,D]; keys of step 0 are attended causally, those of later steps only on the diagonal
+    (eagle.md §5.1).
     """
     s, layer = head.spec, head.midlayer
     attn = layer.self_attn
     B, n, _ = hidden.shape
+    rep = s.num_heads // s.num_kv_heads
     e = head._embed[0](input_ids)                                         # [B,n,H], frozen
     x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], -1)   # [B,n,2H], embedding first
     pos = (torch.arange(n) + step).unsqueeze(0)
@@ -109,37 +112,41 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
     q = rope(attn.q_proj(x).view(B, n, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)       # [B,nh,n,D]
     k = rope(attn.k_proj(x).view(B, n, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)    # [B,Hkv,n,D]
     v = attn.v_proj(x).view(B, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
-    kv.append((k, v))
-    rep = s.num_heads // s.num_kv_heads                                   # GQA: query head i reads kv head i // rep
-    k0, v0 = (t.repeat_interleave(rep, 1) for t in kv[0])
+    kv.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))   # once per step, not once per use
+    (k0, v0), diag = kv[0], kv[1:]
     scale = 1.0 / math.sqrt(s.head_dim)
-    causal = torch.ones(n, n, dtype=torch.bool).tril_()
-    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(~causal, float("-inf"))]   # [B,nh,n,n]
-    for kj, _ in kv[1:]:
-        scores.append(((q * kj.repeat_interleave(rep, 1)).sum(-1, keepdim=True)).float() * scale)   # [B,nh,n,1]
+    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(_future(n), float("-inf"))]  # [B,nh,n,n]
+    scores += [(q * kj).sum(-1, keepdim=True).float() * scale for kj, _ in diag]                  # [B,nh,n,1]
     p = torch.softmax(torch.cat(scores, -1), -1)                          # [B,nh,n,n+step]
     o = p[..., :n].to(v0.dtype) @ v0
-    for j, (_, vj) in enumerate(kv[1:]):
-        o = o + p[..., n + j:n + j + 1].to(vj.dtype) * vj.repeat_interleave(rep, 1)
+    for j, (_, vj) in enumerate(diag):
+        o = o + p[..., n + j:n + j + 1].to(vj.dtype) * vj
     h = hidden + attn.o_proj(o.transpose(1, 2).reshape(B, n, s.num_heads * s.head_dim))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+@functools.lru_cache(maxsize=4)
+def _future(n: int) -> torch.Tensor:
+    """[n,n] bool, True above the diagonal: the keys a causal query must not see (built once per length)."""
+    return torch.ones(n, n, dtype=torch.bool).triu_(1)
+
+
 def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: torch.Tensor, tokens: torch.Tensor,
              loss_mask: torch.Tensor, t2d: torch.Tensor, steps: int, step_weight: float,
-             fscale: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+             fscale: torch.Tensor | None = None, with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """The teacher's outputs for tokens [B,T] (heads.Teacher: logits [B,T,Vd] over the draft vocabulary, full
     argmax [B,T], features [B,T,3H]) and loss_mask [B,T] bool (per input token, official convention) ->
-    (weighted loss, metrics).
+    (weighted loss, metrics: per-step accuracies, only computed `with_metrics`).
 
     fscale [3H]: multiplies the target features before fc (training-time preconditioning, see feature_scale());
     None feeds them raw, as inference does.
     """
     B, T = tokens.shape
     n = T - 1                                                            # slots 0..T-2
-    # The teacher at position j: softmax over the draft vocabulary, counted where the target's argmax is in it.
-    p_all = torch.softmax(logits[:, 1:], -1)                             # [B,n,Vd] (position j = slot + 1)
-    m_all = loss_mask[:, 1:] & t2d[top[:, 1:]]                           # [B,n]
+    # The teacher at position j: softmax over the draft vocabulary, zeroed where the target's argmax is not in it
+    # (masked once here, so each step's loss is one dot product).
+    m_all = loss_mask[:, 1:] & t2d[top[:, 1:]]                           # [B,n] (position j = slot + 1)
+    pm_all = torch.softmax(logits[:, 1:], -1) * m_all.unsqueeze(-1)      # [B,n,Vd]
     x = feats[:, :n] if fscale is None else feats[:, :n] * fscale
     hidden = head.fc(x)
     kv: list = []
@@ -151,13 +158,14 @@ def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: to
         ids = torch.zeros(B, n, dtype=torch.long)
         ids[:, :valid] = tokens[:, 1 + s:]                               # x_{t+1+s}
         hidden = ttt_layer(head, hidden, ids, s, kv)                     # [B,n,H]
-        p, m = p_all[:, s:], m_all[:, s:]                                # target at t+1+s: predicts x_{t+2+s}
+        pm = pm_all[:, s:]                                               # target at t+1+s: predicts x_{t+2+s}
         logq = torch.log_softmax(head.lm_head(head.norm(hidden[:, :valid])).float(), -1)   # [B,valid,Vd]
-        loss = -((p * logq).sum(-1) * m).sum() / (B * n)
+        loss = -torch.dot(pm.reshape(-1), logq.reshape(-1)) / (B * n)
         total = total + step_weight ** s * loss
-        if s in (0, 1, steps - 1):
+        if with_metrics and s in (0, 1, steps - 1):
             with torch.no_grad():
-                acc = ((logq.argmax(-1) == p.argmax(-1)) & m).sum() / m.sum().clamp(min=1)
+                m = m_all[:, s:]
+                acc = ((logq.argmax(-1) == pm.argmax(-1)) & m).sum() / m.sum().clamp(min=1)
             metrics[f"acc{s}"] = acc.item()
     return total, metrics
 
@@ -195,7 +203,8 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
 
     def loss_fn(step: int):
         idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, step))
-        return ttt_loss(head, *teach(idx), data.tokens[idx], mask[idx], t2d, cfg.ttt_steps, cfg.step_weight, scale)
+        return ttt_loss(head, *teach(idx), data.tokens[idx], mask[idx], t2d, cfg.ttt_steps, cfg.step_weight, scale,
+                        logged(step, cfg.optim.steps))
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle3 (TTT)",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),

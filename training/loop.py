@@ -19,6 +19,7 @@ from torch import nn
 
 
 BAR_POSITION = 0   # tqdm line of this process's bars (a second training process uses line 1)
+LOG_EVERY = 10     # steps between updates of the bar's loss and metrics
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,13 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
+def logged(step: int, steps: int) -> bool:
+    """Whether train() shows step's metrics: a loss_fn may skip computing them on the other steps."""
+    return step % LOG_EVERY == 0 or step == steps - 1
+
+
 def train(model: nn.Module, loss_fn: Callable[[int], tuple[torch.Tensor, dict]], cfg: OptimConfig,
-          checkpoint: Path | None, desc: str, run_key: dict | None = None, log_every: int = 10) -> list[float]:
+          checkpoint: Path | None, desc: str, run_key: dict | None = None) -> list[float]:
     """Minimise loss_fn(step) over the trainable parameters of `model`; returns the loss of every step.
 
     A checkpoint (weights, optimiser, step, losses) is written atomically every `checkpoint_every` steps and at the
@@ -110,9 +116,9 @@ def train(model: nn.Module, loss_fn: Callable[[int], tuple[torch.Tensor, dict]],
             skipped += 1
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if step % log_every == 0 or step == cfg.steps - 1:
+        if logged(step, cfg.steps):
             shown = {k: f"{v:.3f}" for k, v in metrics.items()} | ({"skipped": skipped} if skipped else {})
-            bar.set_postfix(loss=f"{sum(losses[-log_every:]) / len(losses[-log_every:]):.3f}", **shown)
+            bar.set_postfix(loss=f"{sum(losses[-LOG_EVERY:]) / len(losses[-LOG_EVERY:]):.3f}", **shown)
         done = step + 1
         due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
         if checkpoint is not None and due:

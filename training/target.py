@@ -46,9 +46,25 @@ def build_model(cfg: TargetConfig, vocab_size: int, eos_id: int):
     return LlamaForCausalLM(hf_cfg)
 
 
+TRAIN_ATTENTION = "eaglex_sdpa_float32"
+
+
+def _sdpa_float32(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, run in float32 inside the trainer's bfloat16 autocast: at this size (head_dim
+    40, 256 tokens) the CPU flash kernel is faster in float32 than in bfloat16 (a target step ~15 % faster on two
+    cores, mostly in the backward), and more precise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast("cpu", enabled=False):
+        return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+
 def train_target(cfg: TargetConfig, stream: torch.Tensor, vocab_size: int, eos_id: int,
                  checkpoint: Path | None = None, threads: int | None = None):
     """Train on random windows of `stream` [N] int64; returns (model, per-step losses)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TRAIN_ATTENTION, _sdpa_float32)
     seed_everything(cfg.seed, threads)
     model = build_model(cfg, vocab_size, eos_id)
 
@@ -56,8 +72,13 @@ def train_target(cfg: TargetConfig, stream: torch.Tensor, vocab_size: int, eos_i
         x = sample_windows(stream, cfg.batch, cfg.seq_len, step_generator(cfg.seed, step))   # [B,T]
         return model(input_ids=x, labels=x).loss, {}
 
-    losses = train(model, loss_fn, cfg.optim, checkpoint, "target",
-                   {"config": asdict(cfg), "data": digest(stream), "vocab": vocab_size})
+    model.config._attn_implementation = TRAIN_ATTENTION
+    try:
+        losses = train(model, loss_fn, cfg.optim, checkpoint, "target",
+                       {"config": asdict(cfg), "data": digest(stream), "vocab": vocab_size,
+                        "attention": TRAIN_ATTENTION})
+    finally:
+        model.config._attn_implementation = "sdpa"   # what the saved model and every later forward use
     return model, losses
 
 
