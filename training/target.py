@@ -72,13 +72,14 @@ def train_target(cfg: TargetConfig, stream: torch.Tensor, vocab_size: int, eos_i
         x = sample_windows(stream, cfg.batch, cfg.seq_len, step_generator(cfg.seed, step))   # [B,T]
         return model(input_ids=x, labels=x).loss, {}
 
+    inference_attention = model.config._attn_implementation
     model.config._attn_implementation = TRAIN_ATTENTION
     try:
         losses = train(model, loss_fn, cfg.optim, checkpoint, "target",
                        {"config": asdict(cfg), "data": digest(stream), "vocab": vocab_size,
                         "attention": TRAIN_ATTENTION})
     finally:
-        model.config._attn_implementation = "sdpa"   # what the saved model and every later forward use
+        model.config._attn_implementation = inference_attention   # what the saved model and later forwards use
     return model, losses
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -86,7 +87,14 @@ def _cached(key_file: Path, key: dict) -> bool:
 
 
 def _write_key(key_file: Path, key: dict) -> None:
-    key_file.write_text(json.dumps(key))
+    """Written last and atomically: a stage interrupted before it reruns, never reads half an output."""
+    _atomic_write_text(key_file, json.dumps(key))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # per process: both lanes may write the same file
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _fresh(path: Path) -> Path:
@@ -140,7 +148,7 @@ def stage_selfdistill(p: Paths, cfg: TinyConfig, shard: int, shards: int = 2) ->
 
     target = load_target(p.target)
     raw, _ = _tokenizer(p)
-    key = {"target": digest(*target.hf.state_dict().values()), "prompts": [cfg.train_prompts, cfg.prompt_tokens],
+    key = {"target": _target_digest(p.target), "prompts": [cfg.train_prompts, cfg.prompt_tokens],
            "config": asdict(cfg.selfdistill), "seed": cfg.seed, "shard": [shard, shards]}
     key_file, data_file = p.work / f"selfdistill{shard}.json", p.work / f"selfdistill{shard}.pt"
     if not _cached(key_file, key):
@@ -233,15 +241,13 @@ def stage_tau(p: Paths, cfg: TinyConfig, head: str, shapes: tuple[str, ...] = tu
     prompts = [json.loads(line)["input_ids"] for line in (p.out / "prompts.jsonl").read_text().splitlines()]
     torch.set_num_threads(1)
     key = {"target": _target_digest(p.target), "prompts": prompts, "new_tokens": cfg.eval_new_tokens}
-    vfile = p.work / "vanilla.json"
-    cached = json.loads(vfile.read_text()) if vfile.is_file() else {}
-    if cached.get("key") == json.loads(json.dumps(key)):
-        vanilla = cached["outputs"]
+    key_file, vfile = p.work / "vanilla_key.json", p.work / "vanilla.json"
+    if _cached(key_file, key):
+        vanilla = json.loads(vfile.read_text())
     else:
         vanilla = vanilla_outputs(p.target, prompts, cfg.eval_new_tokens)
-        tmp = vfile.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "outputs": vanilla}))
-        tmp.replace(vfile)
+        _atomic_write_text(vfile, json.dumps(vanilla))
+        _write_key(key_file, key)
     rows = tau_table(p.target, {head: p.out / head}, prompts, {s: SHAPES[s] for s in shapes}, cfg.eval_new_tokens,
                      vanilla=vanilla)
     return [asdict(r) for r in rows]
