@@ -50,7 +50,8 @@ def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
                 raise ModelError(f"{where}: --chat needs a tokenizer with a chat template")
             out = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
                                                 add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) else out)
+            # transformers 5 returns a BatchEncoding (a Mapping, not a dict) where 4.x returned the ids
+            return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
         return tokenizer(record["prompt"])["input_ids"]
     raise ModelError(f"{where}: each line needs a \"prompt\" or an \"input_ids\" field")
 

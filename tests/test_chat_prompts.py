@@ -34,3 +34,32 @@ def test_deterministic_across_processes():
     assert len(runs) == 1
     mine = chat_prompts.train_prompts()
     assert mine == chat_prompts.train_prompts() and mine is not chat_prompts.train_prompts()
+
+
+def _chat_tokenizer(template=True):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<|user|>", "<|assistant|>", "<|end|>", "hello", "world", "write", "a", "poem", "\n"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|end|>",
+                                   additional_special_tokens=["<|user|>", "<|assistant|>"])
+    if template:
+        fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return fast
+
+
+def test_chat_encoding_returns_token_ids(tmp_path):
+    import pytest
+    from eaglex.models.errors import ModelError
+    from eaglex.prompts import encode, read_prompts
+    tok = _chat_tokenizer()
+    ids = encode({"prompt": "write a poem"}, tok, True, "x")
+    assert ids == [1, 6, 7, 8, 3, 2] and all(type(i) is int for i in ids)
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello world"}\n{"input_ids": [4, 5]}\n')
+    assert read_prompts(f, tok, chat=True) == [[1, 4, 5, 3, 2], [4, 5]]
+    assert read_prompts(f, tok, chat=False) == [[4, 5], [4, 5]]
+    with pytest.raises(ModelError, match="chat template"):
+        encode({"prompt": "hello"}, _chat_tokenizer(template=False), True, "x")
