@@ -90,19 +90,24 @@ TRITON_INSTANCES ?= 1
 TRITON_HTTP_PORT    ?= 8000
 TRITON_GRPC_PORT    ?= 8001
 TRITON_METRICS_PORT ?= 8002
+TRITON_OPEN_ADMIN   ?=
+TRITON_SERVER = $(BIN)/python tools/triton_server.py
 
-.PHONY: serve serve-stop serve-check-engine
+.PHONY: serve serve-stop serve-status serve-check-engine
 serve-check-engine:
 	@test -d "$(ENGINE)" || { echo "make serve: engine folder $(ENGINE) does not exist: build it with 'make engine'," \
 		"or pass ENGINE=DIR (an engine folder, or a folder with target/ and draft/)" >&2; exit 1; }
 
-serve: serve-check-engine $(STAMP)  ## start tritonserver on 127.0.0.1 serving $(ENGINE); returns once it is ready
-	@$(BIN)/python -m eaglex.engines.triton.server check --pid-file $(TRITON_DIR)/server.pid
+serve: serve-check-engine $(STAMP)  ## start the supervised tritonserver on 127.0.0.1 serving $(ENGINE); returns once ready
+	@$(TRITON_SERVER) check --pid-file $(TRITON_DIR)/server.pid
 	$(BIN)/eaglex triton --engine $(ENGINE) --out $(TRITON_DIR)/model_repository --name $(TRITON_MODEL) \
 		--instances $(TRITON_INSTANCES) --force
-	$(BIN)/python -m eaglex.engines.triton.server start --repo $(TRITON_DIR)/model_repository \
+	$(TRITON_SERVER) start --repo $(TRITON_DIR)/model_repository \
 		--pid-file $(TRITON_DIR)/server.pid --log $(TRITON_DIR)/server.log --http-port $(TRITON_HTTP_PORT) \
-		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
+		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT) $(if $(TRITON_OPEN_ADMIN),--open-admin-api)
 
-serve-stop:      ## stop the tritonserver that `make serve` started
-	$(BIN)/python -m eaglex.engines.triton.server stop --pid-file $(TRITON_DIR)/server.pid
+serve-stop:      ## stop the server that `make serve` started (and say what happened while it ran)
+	@$(TRITON_SERVER) stop --pid-file $(TRITON_DIR)/server.pid
+
+serve-status:    ## is the server that `make serve` started ready? (restarts, reloads, ports)
+	@$(TRITON_SERVER) status --pid-file $(TRITON_DIR)/server.pid

@@ -2,10 +2,12 @@
 nvidia-pytriton bundles, on loopback ports, serving a repository written by `eaglex triton` for the Llama fixture
 with its EAGLE-3 head and a character-level tokenizer.
 
-Server tests: 16 concurrent requests (greedy and sampling, short and long) whose greedy outputs equal vanilla
+Server tests, through the supervised server `make serve` runs (tools/triton_server.py: its HTTP front, then
+tritonserver): 16 concurrent requests (greedy and sampling, short and long) whose greedy outputs equal vanilla
 decoding; streamed chunks that join to the one-shot output; every bad input answered with its error while the
-server stays ready; cancelled and disconnected clients; custom metrics; a clean stop that leaves no process behind.
-They are skipped only when tritonserver is not installed (pip install -e '.[triton]').
+server stays ready; cancelled and disconnected clients; custom metrics; a clean stop that leaves no process and no
+shared-memory file behind. test_triton_robust.py covers what must not take the deployment down. They are skipped only
+when tritonserver is not installed (pip install -e '.[triton]').
 """
 from __future__ import annotations
 
@@ -18,16 +20,19 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from eaglex.cli import main
-from eaglex.engines.triton import server as triton_server
 from eaglex.engines.triton.repository import write_repository
 from eaglex.engines.triton.request import Limits, RequestError, parse
 from eaglex.engines.triton.textstream import TextStream
 from eaglex.models.errors import ModelError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import triton_server  # noqa: E402  (tools/triton_server.py: the supervised server `make serve` runs)
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;()"      # 47 characters + the EOS token = the 48 ids
 
@@ -181,22 +186,41 @@ def checkpoint(models, tmp_path_factory):
     return root
 
 
+def serve(repo, work, **kw) -> "triton_server.Served":
+    """The supervised server on free loopback ports, as `make serve` starts it; `stop_served` stops it."""
+    t0 = time.monotonic()
+    srv = triton_server.start(repo, work / "server.pid", work, http_port=0, grpc_port=0, metrics_port=0,
+                              exit_timeout=20, timeout=150, **kw)
+    srv.startup_seconds = time.monotonic() - t0
+    return srv
+
+
+def stop_served(srv) -> dict:
+    """Stop it and check that nothing is left behind: no process of the server's group, no shared-memory file."""
+    pgid, shm, t0 = srv.server_pid, srv.state().get("shm", []), time.monotonic()
+    st = srv.stop()
+    seconds = time.monotonic() - t0
+    left = triton_server.group_pids(pgid) if pgid else []
+    if left:                                          # never leave a process behind, even when the test fails
+        triton_server.stop_group(pgid, 1)
+    assert not left, f"processes left behind: {left}"
+    assert not triton_server.alive(srv.pid), "the supervisor is still running"
+    assert not [n for n in shm if Path(f"/dev/shm/{n}").exists()], "shared-memory files left behind"
+    stopped = st.get("stopped", {})
+    assert stopped.get("how") == "exited cleanly", f"{stopped}:\n{srv.log_tail()}"
+    st["stop_seconds"] = seconds
+    return st
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("triton")
     write_repository(checkpoint, work / "repo", "eaglex", instances=2, threads=1, max_queue_size=32)
-    srv = triton_server.TritonServer(work / "repo", work, exit_timeout=20).start()
+    srv = serve(work / "repo", work)
     try:
-        srv.startup_seconds = srv.wait_ready(150)
         yield srv
     finally:
-        pgid = srv.pid
-        code = srv.stop()
-        left = triton_server.group_pids(pgid)
-        if left:                                      # never leave a process behind, even when the test fails
-            triton_server.stop_group(pgid, 1)
-        assert not left, f"processes left behind: {left}"
-        assert code == 0, f"tritonserver exited with {code}:\n{srv.log_tail()}"
+        stop_served(srv)
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +348,12 @@ def test_bad_inputs_get_4xx_and_the_server_stays_ready(server, endpoint):
         err = out[0]["error"] if isinstance(out, list) else out["error"]
         assert status == code and message in err, (body, status, out)
         assert server.ready()
-    # A JSON value of the wrong type for a declared input never reaches the model: Triton 2.51's generate front
-    # end refuses it itself, with status 500 ("Unable to parse 'data'"), an upstream choice (docs/triton.md).
-    for body in ({"text_input": "hi", "max_tokens": "ten"}, {"text_input": "hi", "temperature": "hot"},
-                 {"text_input": 5}):
+    # A JSON value of the wrong type for a declared input: the front refuses it (Triton 2.51 itself answers 500)
+    for body, message in (({"text_input": "hi", "max_tokens": "ten"}, "max_tokens must be an integer"),
+                          ({"text_input": "hi", "temperature": "hot"}, "temperature must be a finite number"),
+                          ({"text_input": 5}, "text_input must be a string")):
         status, out = post(server, endpoint, body)
-        assert status in (400, 500) and "parse" in out["error"].lower(), out
+        assert status == 400 and message in out["error"], out
         assert server.ready()
     status, out = post(server, endpoint, {"text_input": "hi", "max_tokens": 4})
     assert status == 200

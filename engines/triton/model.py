@@ -1,7 +1,8 @@
 """The Triton Python-backend model: `TritonPythonModel` running the eaglex runtime on one engine folder.
 
 The generated repository's `1/model.py` only re-exports this class, so the code lives (and is versioned) with
-eaglex; the stub process imports it from the environment Triton runs the stub in (the venv: see server.py).
+eaglex; the stub process imports it from the environment Triton runs the stub in (the venv: see
+tools/triton_server.py).
 
 Design:
 - Decoupled transaction policy. With `stream` true a request gets one response per verification cycle (the tokens
@@ -14,7 +15,8 @@ Design:
 - Cancellation (a gRPC stream cancelled, a request timed out in Triton, a client gone mid-stream) is checked once
   per cycle; the generation stops there and frees the instance for the next request.
 - Custom metrics on Triton's /metrics endpoint: requests by outcome, output tokens, cycles, accepted draft tokens
-  and the last request's tau (mean tokens per cycle; over a window use rate(output tokens) / rate(cycles)).
+  (those of cancelled requests included) and the last finished request's tau (mean tokens per cycle; over a window
+  use rate(output tokens) / rate(cycles)).
 """
 from __future__ import annotations
 
@@ -147,23 +149,28 @@ class TritonPythonModel:
                 raise _Stop(reason)
 
         try:
-            result = self.engine.generator(req.sampling).generate(req.input_ids, req.max_tokens, on_tokens)
-            reason = result.stop_reason
-        except _Stop as s:
-            reason = s.reason
-        except ValueError as e:              # the runtime's own input checks
-            raise RequestError(str(e)) from None
-        accepted = lengths[1:]
-        tau = sum(accepted) / len(accepted) if accepted else 0.0
-        stats = {"tau": tau, "cycles": len(accepted), "accepted": sum(n - 1 for n in accepted), "reason": reason}
-        rest = text.finish()
-        out = self._outputs(rest if req.stream else text.text, None if req.stream else text.ids, stats)
-        self._send(sender, out, final=True)
-        m = self.metrics
-        m.tokens.increment(len(text.ids))
-        m.cycles.increment(stats["cycles"])
-        m.accepted.increment(stats["accepted"])
-        m.tau.set(tau)
+            try:
+                result = self.engine.generator(req.sampling).generate(req.input_ids, req.max_tokens, on_tokens)
+                reason = result.stop_reason
+            except _Stop as s:
+                reason = s.reason
+            except ValueError as e:              # the runtime's own input checks
+                raise RequestError(str(e)) from None
+            accepted = lengths[1:]
+            tau = sum(accepted) / len(accepted) if accepted else 0.0
+            stats = {"tau": tau, "cycles": len(accepted), "accepted": sum(n - 1 for n in accepted),
+                     "reason": reason}
+            rest = text.finish()
+            out = self._outputs(rest if req.stream else text.text, None if req.stream else text.ids, stats)
+            self._send(sender, out, final=True)
+            self.metrics.tau.set(tau)
+        finally:
+            # tokens and cycles count whatever became of the request (finished, cancelled, failed mid-way)
+            accepted = lengths[1:]
+            m = self.metrics
+            m.tokens.increment(sum(lengths))
+            m.cycles.increment(len(accepted))
+            m.accepted.increment(sum(n - 1 for n in accepted))
 
     def _outputs(self, delta: str, ids, stats: dict | None = None) -> list:
         """Output tensors with the leading batch dimension (max_batch_size 1)."""
