@@ -35,7 +35,7 @@ SEEDED := build/seeded/eagle3/config.json
 endif
 
 build/seeded/eagle3/config.json: | $(STAMP)
-	$(BIN)/python tests/seeded_preset.py build/seeded
+	$(BIN)/python tools/seeded_preset.py build/seeded
 
 engine: $(STAMP) $(SEEDED) ## build + check the engine of MODEL (default tiny) with BACKEND, print a demo (FORCE=1 rebuilds)
 	$(BIN)/eaglex engine --model $(MODEL) --backend $(BACKEND) $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) \
@@ -52,8 +52,8 @@ BENCH_TINY_PROMPTS ?= 24
 bench_tiny_quant = [ -d engines/tiny-$(1) ] || $(BIN)/eaglex build --target models/tiny/target \
 	--draft models/tiny/eagle3 --backend onnxruntime --out engines/tiny-$(1) --quant $(1) \
 	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL))
-# The memory-bound target of issue 3: a seeded 0.5B Llama (H=1536, 16 layers, GQA 24/6, V=32000, fp32 2 GB) and an
-# EAGLE-3 head (Vd=8000) that agrees with it at a known rate (tests/bench_models.py), built once into
+# A memory-bound target: a seeded 0.5B Llama (H=1536, 16 layers, GQA 24/6, V=32000, fp32 2 GB) and an
+# EAGLE-3 head (Vd=8000) that agrees with it at a known rate (tools/bench_models.py), built once into
 # $(BENCH_BIG)/ and $(BENCH_BIG_ENGINE)/ (delete them, or run the script with --force, to rebuild).
 BENCH_BIG        ?= build/bench-big
 BENCH_BIG_ENGINE ?= engines/bench-big
@@ -71,7 +71,7 @@ bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and
 			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS) \
 			--out $(BENCH_OUT); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
-	$(BIN)/python tests/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
+	$(BIN)/python tools/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \
 		$(BENCH_BIG_ARGS) --out $(BENCH_BIG_OUT)
 
@@ -80,7 +80,7 @@ clean:           ## remove build outputs (keeps .venv)
 
 .PHONY: tiny
 tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded
-	$(BIN)/python -m eaglex.training.tiny --out models/tiny --work build/tiny
+	$(BIN)/python tools/train_tiny.py --out models/tiny --work build/tiny
 
 # --- Triton Inference Server (docs/triton.md): loopback only; the pid file says which server `serve` started ---
 ENGINE        ?= engines/tiny

@@ -2,13 +2,15 @@
 process, with baseline and speculative runs interleaved prompt by prompt so that the drifting load of a shared
 machine hits every candidate alike, and every speculative output is checked against vanilla.
 
-Also measures the cost model of ../shared/reference/cpu-cost-model.md on the backend at hand: t(N) of a target
-forward over N new tokens after P cached ones, and a draft step, and the speedup that model predicts for the τ
-actually measured, so a gap between prediction and measurement shows runtime overhead.
+Also measures a cost model on the backend at hand: t(N) of a target forward over N new tokens after P cached ones,
+and a draft step, and the speedup that model predicts for the τ actually measured (S = τ·t(1) / cycle cost), so a
+gap between prediction and measurement shows runtime overhead.
+
+Threads: each section runs under the thread policy of runtime/threads.py (ORT rows: ORT's pool on the cores, torch
+on one thread; torch rows and transformers peers: torch on the cores); every row states its threads.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -18,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eaglex.fsio import write_json
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
 
 
@@ -42,6 +46,7 @@ class Row:
     decode_target_seconds: float = 0.0
     decode_draft_seconds: float = 0.0
     requests: int = 0
+    threads: str = ""
 
     def add(self, r, baseline) -> None:
         """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
@@ -70,7 +75,8 @@ class Row:
         else:
             target, draft, total = self.target_seconds, self.draft_seconds, self.seconds
         decode_speedup = ratio(self.baseline_decode_seconds, self.decode_seconds)
-        return {"engine": self.engine, "method": self.method, "tree": self.tree, "tokens": self.tokens,
+        return {"engine": self.engine, "method": self.method, "tree": self.tree, "threads": self.threads,
+                "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
                 "speedup": ratio(self.baseline_seconds, self.seconds),
                 "decode_tokens_per_s": ratio(self.tokens - self.requests, self.decode_seconds),
@@ -81,14 +87,6 @@ class Row:
                 "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
                 "predicted_speedup": self.predicted_speedup,
                 "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup)}
-
-
-def tree_label(t: TreeConfig) -> str:
-    if t.kind == "chain":
-        return f"chain d{t.depth}"
-    if t.kind == "static":
-        return "static mc_sim_7b_63"
-    return f"dynamic {t.total_tokens}/{t.depth}/{t.top_k}"
 
 
 def machine() -> dict:
@@ -105,7 +103,7 @@ def run_backend(name: str, backend, trees: list[TreeConfig], prompts: list[list[
     vanilla = VanillaGenerator(backend)
     specs = [SpeculativeGenerator(backend, t) for t in trees]
     base = Row(name, "vanilla", "-")
-    rows = [Row(name, method, tree_label(t)) for t in trees]
+    rows = [Row(name, method, str(t)) for t in trees]
     vanilla.generate(prompts[0], 8)                      # warm-up: allocations, lazy inits, caches
     for s in specs:
         s.generate(prompts[0], 8)
@@ -257,15 +255,6 @@ class CostSampler:
         return out
 
 
-def cost_model(backend, context: int = 256, sizes=DEFAULT_SIZES, draft_sizes=(1, 10), repeats: int = 10) -> dict:
-    """Median milliseconds of every cost-model case over `repeats` rounds (after one warm-up round)."""
-    sampler = CostSampler(backend, context, sizes, draft_sizes)
-    sampler.round(record=False)
-    for _ in range(repeats):
-        sampler.round()
-    return sampler.summary()
-
-
 def _interp(table: dict, n: int) -> float:
     t = {int(k): v for k, v in table.items()}
     sizes = sorted(t)
@@ -282,24 +271,26 @@ def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
     t = cm["target_ms"]
     draft = cm.get("draft_ms") or {1: cm["draft_chain_step_ms"], 10: cm["draft_step_ms"]}
     if tree.kind == "chain":
-        steps, width = tree.depth, 1
+        steps, width = tree.depth - 1, 1                    # the first level comes from the context step
     elif tree.kind == "static":
         steps, width = 4, 10                                # mc_sim_7b_63 expands 4 levels after the first step
     else:
-        steps, width = tree.depth, tree.top_k
+        steps, width = tree.depth - 1, tree.top_k
     cost = _interp(t, tree.max_nodes) + steps * _interp(draft, width) + cm["draft_first_ms"]
     return round(tau * _interp(t, 1) / cost, 3)
 
 
 def print_table(rows: list[dict]) -> None:
     """e2e: whole requests (prefill included); decode: after the prefill, the part the cost model predicts."""
-    head = f"{'engine':<14} {'method':<16} {'tree':<16} {'tok/s':>7} {'e2e':>6} {'decode':>7} {'vs HF':>6} " \
+    head = f"{'engine':<14} {'method':<16} {'tree':<16} {'threads':<12} {'tok/s':>7} {'e2e':>6} {'decode':>7} " \
+           f"{'vs HF':>6} " \
            f"{'pred.':>6} {'m/p':>5} {'tau':>5} {'same':>5} {'draft ms':>9} {'verify ms':>9} {'other ms':>9}"
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
-        print(f"{r['engine']:<14} {r['method']:<16} {r['tree']:<16} {fmt(r['tokens_per_s'], '7.1f')} "
+        print(f"{r['engine']:<14} {r['method']:<16} {r['tree']:<16} {r['threads']:<12} "
+              f"{fmt(r['tokens_per_s'], '7.1f')} "
               f"{fmt(r['speedup'], '5.2f')}x {fmt(r.get('decode_speedup'), '6.2f')}x "
               f"{fmt(r.get('vs_hf_greedy'), '5.2f')}x "
               f"{fmt(r.get('predicted_speedup'), '6.2f')} {fmt(r.get('measured_over_predicted'), '5.2f')} "
@@ -308,8 +299,53 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r.get('other_ms_per_cycle'), '9.2f')}")
 
 
-def write_json(path, payload: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
+def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
+        target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None) -> list[dict]:
+    """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
+    every tree (None = the engine's own tree, tuned once if it never was), interleaved; then the transformers peers
+    on `target_dir`. Prints the table, writes the JSON to `out`, returns the rows."""
+    from eaglex.engines.tune import tune_engine
+
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    rows, cost_models, reference = [], {}, None
+    for name, engine in engines:
+        policy = set_threads(threads, onnxruntime=engine.layout == "engine")
+        label = ", ".join(f"{k} {v}" for k, v in policy.items())
+        own, labels = [], []
+        for t in (trees if engine.draft_kind else []):
+            if t is None:
+                tune_engine(engine, prompts)
+                t = engine.tree
+            if t not in own:
+                own.append(t)
+                labels.append(str(t) + (" (tuned)" if t == engine.tree and engine.layout == "engine" else ""))
+        sizes, draft_sizes = sizes_for(own)
+        sampler = CostSampler(engine.backend, sizes=sizes, draft_sizes=draft_sizes)
+        for i in range(3):                                   # a warm-up round, then two before the runs
+            sampler.round(record=i > 0)
+        got = run_backend(name, engine.backend, own, prompts, max_new_tokens, engine.draft_kind or "vanilla",
+                          sampler)
+        cm = cost_models[name] = sampler.summary()
+        for row, tree, text in zip(got[1:], own, labels):
+            row.tree = text
+            tau = sum(row.accept_lengths) / max(len(row.accept_lengths), 1)
+            row.predicted_speedup = predicted_speedup(cm, tree, tau)
+        for row in got:
+            row.threads = label
+        rows += [r.as_dict() for r in got]
+        if reference is None and target_dir is not None and peers:
+            reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
+    if target_dir is not None and peers:
+        policy = set_threads(threads, onnxruntime=False)
+        for r in run_hf_peers(target_dir, prompts, max_new_tokens, draft_lm_dir, reference):
+            r.threads = f"torch {policy['torch']}"
+            rows.append(r.as_dict())
+    hf = next((r for r in rows if r["method"] == "hf greedy"), None)
+    for r in rows:
+        r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None
+    print_table(rows)
+    if out is not None:
+        write_json(out, {"machine": {**machine(), "load_average_at_start": load_start}, "prompts": len(prompts),
+                         "max_new_tokens": max_new_tokens, "cost_model": cost_models, "rows": rows})
+        print(f"wrote {out}")
+    return rows

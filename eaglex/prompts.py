@@ -74,3 +74,16 @@ def read_prompts(path: str | Path, tokenizer, chat: bool = False) -> list[list[i
     if not prompts:
         raise ModelError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def read_seeds(path: str | Path) -> list[int | None]:
+    """The "seed" field of every prompt line of `path` (None where a line has none), in read_prompts' order."""
+    seeds = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        seed = json.loads(line).get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ModelError(f"{path}:{n}: seed must be an integer >= 0")
+        seeds.append(seed)
+    return seeds

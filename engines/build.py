@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from eaglex.models.errors import ModelError
 
-from .staging import check_out, staged
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, write_manifest
+from eaglex.fsio import check_out, staged
+from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
 DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM (onnx.md §4)
@@ -82,8 +82,9 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
         "dtypes": {"weights": dtype, "kv_cache": dtype, "features": dtype, "logits": "float32",
                    "top_logp": "float32", "attn_mask": "bool", "ids": "int64"},
         "target": target_section, "draft": draft_section,
-        "default_method": {"eagle3": "eagle3", "eagle1": "eagle2", None: "vanilla"}[kind],
-        "default_tree": dataclasses.asdict(TreeConfig()) if kind else None,
+        "method": default_method(kind),
+        # until `eaglex engine` (or `--tree auto`) measures this machine: a short tree, the CPU's usual best
+        "tree": str(TreeConfig()) if kind else None,
         "graphs": graphs, "files": files, "parity": parity,
         "sources": {k: {"path": str(paths[k]), "sha256": v} for k, v in sources.items()},
         "tools": _tool_versions(),
@@ -103,7 +104,7 @@ def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: 
     target = load_target(target_dir, TORCH_DTYPES[dtype])
     head = load_draft(draft_dir, target) if draft_dir is not None else None
     if head is not None:
-        target.set_features(head.spec.kind, head.spec.taps)
+        target = target.with_features(head.spec.kind, head.spec.taps)
     target_section = {"spec": dataclasses.asdict(target.spec), "features": target.features,
                       "feature_layers": list(target.taps), "feature_size": target.feature_size}
     draft_section = None
@@ -188,7 +189,7 @@ def summary(manifest: dict, out_dir) -> str:
     """The lines `eaglex build` prints at the end: files and sizes, graphs, parity errors, time."""
     lines = [f"engine {out_dir} ({manifest['dtype']}, opset {manifest['opset']}, "
              f"{manifest['draft']['kind'] if manifest['draft'] else 'no draft'}, "
-             f"method {manifest['default_method']})"]
+             f"method {manifest['method']}, tree {manifest['tree'] or '-'})"]
     for name, info in manifest["files"].items():
         lines.append(f"  {name:<28} {_size(info['bytes']):>10}")
     for name, g in manifest["graphs"].items():

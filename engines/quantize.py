@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from eaglex.models.errors import ModelError
 
-from .manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
+from eaglex.runtime.manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
 
 QUANT_METHODS = ("fp8", "int8")
 FORMATS = {

@@ -8,6 +8,8 @@ It owns no cache and knows nothing about trees beyond the mask.
 """
 from __future__ import annotations
 
+import copy
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,9 +77,13 @@ class Target(nn.Module):
         self.inner = hf_model.model
         self.features, self.taps = "none", ()
 
-    def set_features(self, kind: str, taps: tuple[int, ...] = ()) -> None:
+    def with_features(self, kind: str, taps: tuple[int, ...] = ()) -> "Target":
+        """A view of this target (same weights, nothing copied) whose forward also returns the features a head of
+        `kind` reads; the target itself is left as it was, so models shared between users never change under them."""
         assert kind in ("none", "eagle1", "eagle3")
-        self.features, self.taps = kind, taps
+        view = copy.copy(self)
+        view.features, view.taps = kind, tuple(taps)
+        return view
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -12,18 +12,14 @@ from dataclasses import dataclass
 from .generate import SpeculativeGenerator, VanillaGenerator
 from .types import TreeConfig
 
-CANDIDATES = (
-    TreeConfig("chain", depth=1), TreeConfig("chain", depth=2), TreeConfig("chain", depth=3),
-    TreeConfig("chain", depth=4), TreeConfig("chain", depth=5), TreeConfig("dynamic", 6, 3, 2),
-    TreeConfig("dynamic", 8, 4, 3),
-    TreeConfig("dynamic", 12, 5, 4), TreeConfig("dynamic", 16, 5, 4), TreeConfig("dynamic", 32, 6, 8),
-    TreeConfig("dynamic", 60, 7, 10),
-)
+CANDIDATES = tuple(TreeConfig.parse(t) for t in (
+    "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "dynamic:6/4/2", "dynamic:8/5/3", "dynamic:12/6/4",
+    "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10"))
 
 
 @dataclass(frozen=True)
 class TuneRow:
-    tree: TreeConfig
+    tree: TreeConfig | None      # None: vanilla
     seconds: float
     tokens: int
     tau: float
@@ -53,7 +49,7 @@ def autotune(backend, prompts: list[list[int]], max_new_tokens: int = 48,
             a[1] += len(r.output_ids)
             a[2] += r.accept_lengths
             a[3] &= r.output_ids == v.output_ids
-    rows = [TuneRow(TreeConfig("chain", depth=0), base_s, base_tokens, 1.0, True)]
+    rows = [TuneRow(None, base_s, base_tokens, 1.0, True)]
     for t, (s, n, lengths, same) in zip(candidates, acc):
         rows.append(TuneRow(t, s, n, sum(lengths) / max(len(lengths), 1), same))
     best = max((r for r in rows[1:] if r.identical), key=lambda r: r.tokens_per_s)

@@ -20,10 +20,8 @@ from .types import DraftTree, TreeConfig
 class Drafter:
     def __init__(self, backend: Backend, cfg: TreeConfig):
         self.backend, self.cfg = backend, cfg
-        if cfg.kind == "chain":
-            self.top_k, self.depth, self.total = 1, cfg.depth, cfg.depth + 2
-        else:
-            self.top_k, self.depth, self.total = cfg.top_k, cfg.depth, cfg.total_tokens
+        # self.depth: draft forwards after the one that extends the context (that one already yields the depth-1 nodes)
+        self.top_k, self.depth, self.total = cfg.top_k, cfg.depth - 1, cfg.total_tokens
         self.plan = static_plan(cfg.choices or MC_SIM_7B_63) if cfg.kind == "static" else None
         if self.plan is not None:   # ancestor-or-self mask of the fixed shape, computed once
             self.static_anc = tree_from_parents(torch.zeros_like(self.plan.parents), self.plan.parents).mask
@@ -80,7 +78,7 @@ class Drafter:
         return select_dynamic(scores[:n], tokens[:n], parents[:n], root, self.total)
 
     def _chain(self, root, seed, position):
-        """top_k = 1: the dynamic path would keep all 1 + depth candidates in order (total = depth + 2), so the
+        """top_k = 1: the dynamic path would keep all depth candidates in order (total = depth + 1), so the
         chain is built directly: each step feeds its parent's top-1 token and output row, with the causal mask
         (a chain node's ancestors are exactly the rows drafted before it), and no candidate pool or rerank."""
         hidden, _, ids = seed                                  # [1,H], [1], [1]

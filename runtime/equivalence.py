@@ -14,7 +14,7 @@ import torch
 
 from .backend import Backend
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
-from .sampling import logits_to_probs
+from .sampling import derive_seed, logits_to_probs
 from .types import SamplingConfig, TreeConfig
 
 
@@ -75,37 +75,75 @@ def check_distribution(backend: Backend, tree: TreeConfig, sampling: SamplingCon
                        samples: int = 300, position: int = 1) -> list[DistributionRow]:
     """For each prompt, draw `samples` speculative generations with different seeds; the token at output
     `position` (>= 1, i.e. decided by verification, not by the prefill) is compared with the exact target
-    distribution given the tokens before it, pooled over contexts with a chi-square test (expected counts < 5 are
-    merged into one bin)."""
+    distribution given the tokens before it (chi_square)."""
     rows = []
     for i, p in enumerate(prompts):
-        observed: dict[tuple, list[int]] = {}
-        taus = []
+        outputs, taus = [], []
         for s in range(samples):
-            cfg = SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, seed=sampling.seed + s)
+            cfg = SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k,
+                                 seed=derive_seed(sampling.seed, s))
             r = SpeculativeGenerator(backend, tree, cfg).generate(p, position + 1)
             taus.append(r.tau)
-            if len(r.output_ids) > position:
-                observed.setdefault(tuple(r.output_ids[:position]), []).append(r.output_ids[position])
-        chi2, dof, n = 0.0, 0, 0
-        for ctx, toks in observed.items():
-            context = p + list(ctx)
-            backend.reset(len(context) + 1)
-            logits, _ = backend.target_forward(torch.tensor([context]), torch.arange(len(context)).unsqueeze(0),
-                                               None, last_only=True)
-            probs = logits_to_probs(logits[0, -1].double(), sampling).double()
-            counts = torch.bincount(torch.tensor(toks), minlength=probs.shape[0]).double()
-            expected = probs * len(toks)
-            big = expected >= 5
-            obs = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
-            exp = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
-            if bool((counts[probs == 0] > 0).any()):
-                chi2 = math.inf                                # a token the target gives zero probability
-            keep = exp > 0
-            obs, exp = obs[keep], exp[keep]
-            chi2 += float(((obs - exp) ** 2 / exp).sum())
-            dof += max(int(keep.sum()) - 1, 0)
-            n += len(toks)
-        rows.append(DistributionRow(i, n, chi2, dof, _chi2_sf(chi2, dof) if math.isfinite(chi2) else 0.0,
-                                    sum(taus) / len(taus)))
+            outputs.append(r.output_ids)
+        chi2, dof, n = chi_square(backend, sampling, p, outputs, position)
+        rows.append(DistributionRow(i, n, chi2, dof, chi2_sf(chi2, dof), sum(taus) / len(taus)))
     return rows
+
+
+def chi_square(backend: Backend, sampling: SamplingConfig, prompt: list[int], outputs: list[list[int]],
+               position: int) -> tuple[float, int, int]:
+    """(chi2, degrees of freedom, samples): the tokens at output `position` of `outputs` (continuations of
+    `prompt`) against the target's exact distribution given the tokens before them, pooled over those contexts
+    (expected counts < 5 merged into one bin per context). p-value: chi2_sf(chi2, dof)."""
+    observed: dict[tuple, list[int]] = {}
+    for out in outputs:
+        if len(out) > position:
+            observed.setdefault(tuple(out[:position]), []).append(out[position])
+    chi2, dof, n = 0.0, 0, 0
+    for ctx, toks in observed.items():
+        context = prompt + list(ctx)
+        backend.reset(len(context) + 1)
+        logits, _ = backend.target_forward(torch.tensor([context]), torch.arange(len(context)).unsqueeze(0),
+                                           None, last_only=True)
+        probs = logits_to_probs(logits[0, -1].double(), sampling).double()
+        counts = torch.bincount(torch.tensor(toks), minlength=probs.shape[0]).double()
+        expected = probs * len(toks)
+        big = expected >= 5
+        obs = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+        exp = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+        if bool((counts[probs == 0] > 0).any()):
+            chi2 = math.inf                                # a token the target gives zero probability
+        keep = exp > 0
+        obs, exp = obs[keep], exp[keep]
+        chi2 += float(((obs - exp) ** 2 / exp).sum())
+        dof += max(int(keep.sum()) - 1, 0)
+        n += len(toks)
+    return chi2, dof, n
+
+
+def chi2_sf(chi2: float, dof: int) -> float:
+    return _chi2_sf(chi2, dof) if math.isfinite(chi2) else 0.0
+
+
+def format_greedy(rows: list[GreedyRow], what: str) -> str:
+    """`eaglex check`'s table for greedy decoding, one line per prompt and a summary."""
+    lines = [f"{'#':>3} {'identical':>9} {'tau':>5} {'tokens':>6}  first divergence (logit margin)"]
+    for r in rows:
+        div = "-" if r.identical else f"at {r.divergence} (margin {r.margin:.3g})"
+        lines.append(f"{r.index:>3} {'yes' if r.identical else 'NO':>9} {r.tau:>5.2f} {r.new_tokens:>6}  {div}")
+    bad = sum(not r.identical for r in rows)
+    taus = [r.tau for r in rows if r.speculative.cycles]
+    lines.append(f"{len(rows) - bad}/{len(rows)} identical to vanilla ({what}); "
+                 f"mean tau {sum(taus) / max(len(taus), 1):.2f}")
+    return "\n".join(lines)
+
+
+def format_distribution(rows: list[DistributionRow]) -> tuple[str, bool]:
+    """`eaglex check`'s table for sampling, and whether every prompt passed. Bonferroni over prompts: a correct
+    sampler fails with probability < 0.1 %."""
+    lines = [f"{'#':>3} {'samples':>7} {'chi2':>8} {'dof':>4} {'p':>7} {'tau':>5}"]
+    for r in rows:
+        lines.append(f"{r.index:>3} {r.samples:>7} {r.chi2:>8.2f} {r.dof:>4} {r.p_value:>7.4f} {r.tau:>5.2f}")
+    bad = [r for r in rows if r.p_value < 1e-3 / len(rows)]
+    lines.append(f"{len(rows) - len(bad)}/{len(rows)} prompts consistent with the target distribution")
+    return "\n".join(lines), not bad

@@ -90,13 +90,15 @@ class _Timed:
 
 
 class _Emitter:
-    """Applies the stop rules to every emitted token; vanilla and speculative share it, so they stop alike."""
+    """Applies the stop rules to every emitted token; vanilla and speculative share it, so they stop alike.
+    `stop` (a caller's hook, e.g. a cancelled request) is asked after every emission: True ends the generation
+    with stop_reason "cancelled" and its statistics intact."""
 
     def __init__(self, result: GenerationResult, max_new_tokens: int, eos_ids, room: int,
-                 on_tokens: Callable[[list[int]], None] | None):
+                 on_tokens: Callable[[list[int]], None] | None, stop: Callable[[], bool] | None = None):
         self.result, self.eos = result, set(eos_ids)
         self.limit = min(max_new_tokens, room)              # room: tokens that fit in the context after the prompt
-        self.on_tokens = on_tokens
+        self.on_tokens, self.stop = on_tokens, stop
         self.done = self.limit <= 0
         if self.done:
             result.stop_reason = "length" if max_new_tokens <= room else "context"
@@ -116,6 +118,8 @@ class _Emitter:
         out.extend(taken)
         if taken and self.on_tokens:
             self.on_tokens(taken)
+        if not self.done and self.stop is not None and self.stop():
+            self.done, self.result.stop_reason = True, "cancelled"
         return len(taken)
 
 
@@ -130,7 +134,7 @@ class _Base:
             return int(argmax(logits))
         return int(sample(logits_to_probs(logits, self.sampling), gen))
 
-    def _start(self, input_ids, max_new_tokens, extra_rows, on_tokens):
+    def _start(self, input_ids, max_new_tokens, extra_rows, on_tokens, stop):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         n = len(input_ids)
@@ -141,7 +145,7 @@ class _Base:
         if min(input_ids) < 0 or max(input_ids) >= self.spec.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
         result = GenerationResult(input_ids=list(input_ids))
-        emitter = _Emitter(result, max_new_tokens, self.spec.eos_ids, self.spec.max_context - n, on_tokens)
+        emitter = _Emitter(result, max_new_tokens, self.spec.eos_ids, self.spec.max_context - n, on_tokens, stop)
         self.backend.reset(self.spec.max_context + extra_rows)
         gen = torch.Generator().manual_seed(self.sampling.seed)
         return result, emitter, gen
@@ -149,10 +153,11 @@ class _Base:
 
 class VanillaGenerator(_Base):
     def generate(self, input_ids: list[int], max_new_tokens: int = 128,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> GenerationResult:
         t0 = time.perf_counter()
         backend = _Timed(self.backend)
-        result, emitter, gen = self._start(input_ids, max_new_tokens, 0, on_tokens)
+        result, emitter, gen = self._start(input_ids, max_new_tokens, 0, on_tokens, stop)
         ids = torch.tensor([input_ids])
         pos = torch.arange(ids.shape[1]).unsqueeze(0)
         prefill = True
@@ -179,12 +184,13 @@ class SpeculativeGenerator(_Base):
         self.tree_cfg = tree
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 128,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> GenerationResult:
         t0 = time.perf_counter()
         backend = _Timed(self.backend)
         drafter = Drafter(backend, self.tree_cfg)
         max_nodes = self.tree_cfg.max_nodes
-        result, emitter, gen = self._start(input_ids, max_new_tokens, max_nodes, on_tokens)
+        result, emitter, gen = self._start(input_ids, max_new_tokens, max_nodes, on_tokens, stop)
 
         if emitter.done:
             return backend.record(result, t0)

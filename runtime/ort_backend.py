@@ -16,9 +16,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from eaglex.engines.manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from eaglex.models.errors import ModelError
 
+from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .ort_cache import NP_DTYPES, OrtKVCache
 from .ort_session import open_session, use_global_pool
 
@@ -50,9 +50,6 @@ class OrtBackend:
             raise ModelError(f"engine {engine_dir} holds {'an ' + self.draft_kind if self.draft_kind else 'no'} "
                              f"draft head, not {draft_kind}")
         self.threads = use_global_pool(threads)
-        # ORT owns the cores. The loop's own torch ops (top-k, tree algebra, compaction) are tiny, and torch's idle
-        # OpenMP workers spinning between them stole time from ORT's pool: 2-3x slower draft steps were measured.
-        torch.set_num_threads(1)
         open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name)
                  for name, g in m["graphs"].items()}
         self.target_sess = open_["target"]

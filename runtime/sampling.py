@@ -64,3 +64,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.as_tensor(logits.detach().numpy().argmax(-1))
     return logits.argmax(-1)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of stream `index` under a run's `seed`: numpy's SeedSequence hashes (seed, index), so streams of
+    different runs and of different prompts never coincide (a plain seed + index would make run s's prompt 1 and
+    run s+1's prompt 0 draw the same samples). 63 bits: what torch.Generator.manual_seed takes."""
+    import numpy as np
+    state = np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0]
+    return int(state) >> 1

@@ -21,7 +21,7 @@ class TorchBackend:
         self.draft = load_draft(draft_dir, self.target, draft_kind) if draft_dir else None
         self.draft_kind = self.draft.spec.kind if self.draft else None
         if self.draft is not None:
-            self.target.set_features(self.draft.spec.kind, self.draft.spec.taps)
+            self.target = self.target.with_features(self.draft.spec.kind, self.draft.spec.taps)
         self.tcache = self.dcache = None
 
     def reset(self, capacity: int) -> None:

@@ -59,34 +59,78 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+TREE_GRAMMAR = "chain:N, dynamic:TOTAL/DEPTH/TOPK, static or auto"
 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """How a cycle drafts. `kind`: dynamic (EAGLE-2), static (EAGLE-1 choices list) or chain (top_k = 1).
+    """How a cycle drafts, in the one spelling every flag, manifest, table and report uses (`parse` / `str`):
 
-    dynamic: `depth` expansion forwards after the first draft forward, `top_k` nodes expanded per level and
-    children per node, `total_tokens` nodes verified including the root (so total_tokens - 1 drafted nodes).
-    chain: depth + 1 drafted tokens. static: the choices list fixes the shape; depth/top_k/total_tokens are unused.
+    - ``chain:N``: N draft tokens in a line (TensorRT-LLM's ``max_draft_len=N``);
+    - ``dynamic:TOTAL/DEPTH/TOPK`` (EAGLE-2): a tree DEPTH levels deep below the root, growing by expanding the
+      TOPK best nodes of each level (TOPK children each), of which the best TOTAL - 1 are verified with the root.
+      The official code's ``depth`` counts expansions after the first draft step: its ``total_token=60, depth=7,
+      top_k=10`` is ``dynamic:60/8/10`` here;
+    - ``static``: EAGLE-1's fixed shape (mc_sim_7b_63, or the `choices` paths of top-k ranks);
+    - ``auto`` (parse only, returns None): the engine's tuned tree.
+
+    `depth` is always what DraftTree.depths counts: the deepest draft node, i.e. the most draft tokens one cycle
+    can accept before the target's own token.
     """
     kind: str = "dynamic"
-    total_tokens: int = 60
-    depth: int = 7
-    top_k: int = 10
+    total_tokens: int = 16   # dynamic: nodes verified per cycle, root included
+    depth: int = 6           # draft levels below the root (chain: its length)
+    top_k: int = 4           # dynamic: nodes expanded per level and children per expanded node
     choices: tuple[tuple[int, ...], ...] | None = None  # static trees only; None = mc_sim_7b_63
 
     def __post_init__(self):
         if self.kind not in ("dynamic", "static", "chain"):
             raise ValueError(f"tree kind must be dynamic, static or chain, got {self.kind!r}")
-        if self.depth < 0 or self.top_k < 1 or self.total_tokens < 2:
-            raise ValueError(f"bad tree: depth={self.depth} (>= 0), top_k={self.top_k} (>= 1), "
-                             f"total_tokens={self.total_tokens} (>= 2)")
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise ValueError(f"bad tree {self}: depth >= 1, top_k >= 1 and total_tokens >= 2 needed")
+        if self.kind == "chain":            # a chain's size follows from its length: equal chains compare equal
+            object.__setattr__(self, "total_tokens", self.depth + 1)
+            object.__setattr__(self, "top_k", 1)
+
+    @classmethod
+    def chain(cls, n: int) -> "TreeConfig":
+        return cls("chain", depth=n)
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeConfig | None":
+        """``chain:N`` | ``dynamic:TOTAL/DEPTH/TOPK`` | ``static`` | ``auto`` (-> None); ValueError otherwise."""
+        kind, sep, arg = str(text).strip().partition(":")
+        try:
+            if kind == "auto" and not sep:
+                return None
+            if kind == "static" and not sep:
+                return cls("static")
+            if kind == "chain" and sep:
+                return cls.chain(int(arg))
+            if kind == "dynamic" and sep:
+                total, depth, top_k = (int(x) for x in arg.split("/"))
+                return cls("dynamic", total, depth, top_k)
+        except ValueError as e:
+            if str(e).startswith("bad tree"):
+                raise ValueError(f"bad tree {text!r}: {str(e).split(': ', 1)[1]}") from None
+        raise ValueError(f"bad tree {text!r}: use {TREE_GRAMMAR} (e.g. chain:3, dynamic:16/6/4)")
+
+    def __str__(self) -> str:
+        if self.kind == "chain":
+            return f"chain:{self.depth}"
+        if self.kind == "static":
+            return "static" if self.choices is None else f"static({len(self.choices)} nodes)"
+        return f"dynamic:{self.total_tokens}/{self.depth}/{self.top_k}"
 
     @property
     def max_nodes(self) -> int:
         """Upper bound of the tree size (root included): what must fit in the target's context."""
         if self.kind == "chain":
-            return self.depth + 2
+            return self.depth + 1
         if self.kind == "static":
             from .tree import MC_SIM_7B_63
             return len(self.choices or MC_SIM_7B_63) + 1

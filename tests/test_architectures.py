@@ -52,7 +52,7 @@ def test_architecture_exact(arch, tmp_path):
     head = _random_eagle3_head(tmp_path / "head")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
     backend = TorchBackend(tmp_path / "target", head)
-    vanilla, spec = VanillaGenerator(backend), SpeculativeGenerator(backend, TreeConfig("dynamic", 16, 4, 4))
+    vanilla, spec = VanillaGenerator(backend), SpeculativeGenerator(backend, TreeConfig.parse("dynamic:16/5/4"))
     g = torch.Generator().manual_seed(1)
     for n in (1, 5, 17):
         p = torch.randint(4, 64, (n,), generator=g).tolist()

@@ -25,9 +25,10 @@ def test_help_lists_every_option(capsys):
             build_parser().parse_args([cmd, "--help"])
         assert e.value.code == 0
         out = capsys.readouterr().out
-        for flag in ("--target", "--draft", "--engine", "--method", "--tree", "--total-tokens", "--depth",
-                     "--tree-top-k", "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens", "--dtype"):
+        for flag in ("--target", "--draft", "--engine", "--method", "--tree", "--threads", "--temperature", "--top-p",
+                     "--top-k", "--seed", "--max-new-tokens", "--dtype", "chain:N", "dynamic:TOTAL/DEPTH/TOPK"):
             assert flag in out
+        assert "--total-tokens" not in out        # retired: refused with the new spelling (BAD below)
 
 
 def test_generate_jsonl_contract(models, prompt_file, tmp_path):
@@ -83,7 +84,7 @@ def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:2]))
     args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
-            "--temperature", "5", "--samples", "400", "--total-tokens", "8", "--depth", "3", "--tree-top-k", "3"]
+            "--temperature", "5", "--samples", "400", "--tree", "dynamic:8/4/3"]
     assert main(args) == 0, capsys.readouterr().out
     monkeypatch.setattr(generate_mod, "verify_sampling", _accept_first_child)
     assert main(args) == 1
@@ -103,11 +104,19 @@ BAD = [
     (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, '{"input_ids": [1, 999]}\n')], r"\[0, 48\)"),
     (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, '{"input_ids": []}\n')], "empty"),
     (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--method", "eagle2",
-                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "use --method eagle3"),
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "use method eagle3"),
     (lambda m, t: ["--target", str(m["llama"]), "--method", "eagle3",
                    "--prompts", _write(t, '{"input_ids": [1]}\n')], "needs a draft head"),
-    (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--total-tokens", "1",
-                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "bad tree"),
+    (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--tree", "dynamic:1/3/3",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "bad tree .*total_tokens >= 2"),
+    (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--tree", "chain",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "use chain:N, dynamic:TOTAL/DEPTH/TOPK"),
+    (lambda m, t: ["--target", str(m["llama"]), "--draft", str(m["llama/eagle3"]), "--total-tokens", "8",
+                   "--prompts", _write(t, '{"input_ids": [1]}\n')], "--total-tokens is gone.*--tree dynamic:"),
+    (lambda m, t: ["--target", str(m["llama"]), "--seed", "-1", "--prompts", _write(t, '{"input_ids": [1]}\n')],
+     "seed must be >= 0"),
+    (lambda m, t: ["--target", str(m["llama"]), "--prompts", _write(t, '{"input_ids": [1], "seed": "x"}\n')],
+     "seed must be an integer"),
     (lambda m, t: ["--target", str(m["llama"]), "--top-p", "0", "--prompts", _write(t, '{"input_ids": [1]}\n')],
      "top_p"),
     (lambda m, t: ["--target", str(m["llama"]), "--max-new-tokens", "-1",

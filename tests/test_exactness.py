@@ -18,11 +18,11 @@ MAX_NEW = 40
 
 # (case id, head, tree, tau floor): floors sit well below what the fixtures measure, well above 1.
 CASES = [
-    ("eagle3-dynamic", "eagle3", TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10), 2.0),
-    ("eagle3-small-tree", "eagle3", TreeConfig("dynamic", total_tokens=8, depth=4, top_k=3), 1.8),
-    ("eagle2-dynamic", "eagle1", TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10), 1.5),
+    ("eagle3-dynamic", "eagle3", TreeConfig.parse("dynamic:60/8/10"), 2.0),
+    ("eagle3-small-tree", "eagle3", TreeConfig.parse("dynamic:8/5/3"), 1.8),
+    ("eagle2-dynamic", "eagle1", TreeConfig.parse("dynamic:60/8/10"), 1.5),
     ("eagle1-static", "eagle1", TreeConfig("static"), 1.5),
-    ("chain", "eagle3", TreeConfig("chain", depth=5), 1.8),
+    ("chain", "eagle3", TreeConfig.chain(6), 1.8),
 ]
 
 
@@ -71,7 +71,7 @@ def test_speculative_matches_vanilla(target, case, head, tree, floor, models, pr
 @pytest.mark.parametrize("target", ["llama", "qwen2"])
 def test_max_new_tokens_edges(target, models, prompts, reference):
     backend = TorchBackend(models[target], models[f"{target}/eagle3"])
-    spec, vanilla = SpeculativeGenerator(backend, TreeConfig()), VanillaGenerator(backend)
+    spec, vanilla = SpeculativeGenerator(backend, TreeConfig.parse("dynamic:60/8/10")), VanillaGenerator(backend)
     for n in (0, 1, 2, 3):
         for p in prompts[:6]:
             s, v = spec.generate(p, n), vanilla.generate(p, n)
@@ -83,7 +83,7 @@ def test_context_limit(models, prompts):
     backend = TorchBackend(models["llama"], models["llama/eagle3"])
     limit = backend.spec.max_context
     p = (prompts[3] * 40)[: limit - 30]
-    s = SpeculativeGenerator(backend, TreeConfig()).generate(p, 1000)
+    s = SpeculativeGenerator(backend, TreeConfig.parse("dynamic:60/8/10")).generate(p, 1000)
     v = VanillaGenerator(backend).generate(p, 1000)
     assert s.output_ids == v.output_ids
     if v.stop_reason == "context":

@@ -49,7 +49,7 @@ def test_eagle3_layouts_load_and_match_reference(fmt, layout, models, tmp_path, 
     # the speculative loop runs on it and stays exact
     backend = TorchBackend(models["llama"], head_dir)
     p = prompts[2]
-    assert SpeculativeGenerator(backend, TreeConfig()).generate(p, 20).output_ids == \
+    assert SpeculativeGenerator(backend, TreeConfig.parse("dynamic:60/8/10")).generate(p, 20).output_ids == \
         VanillaGenerator(backend).generate(p, 20).output_ids
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import onnx
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.engines.manifest import MANIFEST, read_manifest
+from eaglex.runtime.manifest import MANIFEST, read_manifest
 from eaglex.models.errors import ModelError
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
@@ -23,7 +24,7 @@ from eaglex.runtime.types import TreeConfig
 
 MAX_NEW = 40
 ENGINES = {   # engine -> (target, head, tree the loop drafts with, tau floor)
-    "llama-eagle3": ("llama", "eagle3", TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10), 2.0),
+    "llama-eagle3": ("llama", "eagle3", TreeConfig.parse("dynamic:60/8/10"), 2.0),
     "qwen2-eagle1": ("qwen2", "eagle1", TreeConfig("static"), 1.5),
 }
 
@@ -123,7 +124,7 @@ def test_kv_holes_and_compaction_are_lossless(policy, engines, prompts, monkeypa
     monkeypatch.setattr(b.tcache, "commit", spy_commit)
     monkeypatch.setattr(b.tcache, "_compact", spy_compact)
     vanilla = VanillaGenerator(b)
-    for tree in (TreeConfig("chain", depth=3), TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10)):
+    for tree in (TreeConfig.chain(4), TreeConfig.parse("dynamic:60/8/10")):
         spec = SpeculativeGenerator(b, tree)
         for p in prompts[:8]:
             assert spec.generate(p, MAX_NEW).output_ids == vanilla.generate(p, MAX_NEW).output_ids, (tree, p)
@@ -309,7 +310,8 @@ def test_export_memory(tmp_path):
         "torch.manual_seed(0)\n"
         "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)\n")
     subprocess.run([sys.executable, "-c", make, str(tmp_path / "big")], check=True, capture_output=True)
-    out = subprocess.run([sys.executable, "-m", "eaglex.export.memory_probe", str(tmp_path / "big"),
+    probe = Path(__file__).resolve().parent.parent / "tools" / "memory_probe.py"
+    out = subprocess.run([sys.executable, str(probe), str(tmp_path / "big"),
                           str(tmp_path / "engine")], check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
     assert report["peak_anon_x_weights"] <= 1.3, report

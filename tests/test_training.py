@@ -66,7 +66,7 @@ def test_corpus_split_is_by_path():
 
 def test_ttt_step_s_equals_the_inference_chain(llama):
     """Slot t of TTT step s == a draft chain of s steps after the context 0..t, run by DraftHead with a KV cache."""
-    llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+    llama = llama.with_features("eagle3", eagle3_taps(llama.spec.num_layers))
     torch.manual_seed(0)
     head = new_head(llama, head_config(llama, Eagle3Config(draft_vocab_size=40), None), "eagle3")
     T, S = 10, 4
@@ -98,13 +98,13 @@ def test_ttt_step_s_equals_the_inference_chain(llama):
 def test_saved_head_loads_through_the_official_loader(llama, tmp_path, kind):
     torch.manual_seed(1)
     if kind == "eagle3":
-        llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+        llama = llama.with_features("eagle3", eagle3_taps(llama.spec.num_layers))
         config = head_config(llama, Eagle3Config(draft_vocab_size=40), 7)
         head = new_head(llama, config, kind)
         d2t, t2d = vocab_map(torch.arange(llama.spec.vocab_size), 40)
         head.d2t.copy_(d2t)
     else:
-        llama.set_features("eagle1")
+        llama = llama.with_features("eagle1")
         config = eagle1_config(llama, Eagle1Config(), 7)
         head = new_head(llama, config, kind)
     with torch.no_grad():                             # the file stores float16: compare on representable weights
@@ -176,7 +176,7 @@ def test_target_and_draft_lm_trainers_learn(tmp_path):
 
 
 def test_teacher_cache_matches_the_per_step_forward(llama, selfdistill):
-    llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+    llama = llama.with_features("eagle3", eagle3_taps(llama.spec.num_layers))
     keep = torch.arange(0, llama.spec.vocab_size, 2)                     # a draft vocabulary of every other id
     cached = Teacher(llama, selfdistill.tokens, keep, cache_gb=1.0, batch=3)
     direct = Teacher(llama, selfdistill.tokens, keep, cache_gb=0.0)
@@ -194,7 +194,7 @@ def test_teacher_cache_matches_the_per_step_forward(llama, selfdistill):
 def test_teacher_cache_in_parts_equals_the_whole(llama, selfdistill):
     """make tiny computes halves of the EAGLE-3 teacher cache in two processes: rows from a batch boundary on must
     be bit for bit the whole's, and Teacher must take the joined parts."""
-    llama.set_features("eagle3", eagle3_taps(llama.spec.num_layers))
+    llama = llama.with_features("eagle3", eagle3_taps(llama.spec.num_layers))
     keep = torch.arange(0, llama.spec.vocab_size, 2)
     tokens = selfdistill.tokens
     whole = teacher_outputs(llama, tokens, keep, batch=3)
@@ -226,7 +226,7 @@ def test_trained_head_beats_a_random_head(llama, selfdistill, models, tmp_path):
     save_eagle3(random_head, config, t2d, tmp_path / "random")
     prompts = selfdistill.tokens[:4, :8].tolist()
     rows = tau_table(models["llama"], {"trained": tmp_path / "trained", "random": tmp_path / "random"}, prompts,
-                     {"chain": TreeConfig("chain", depth=3)}, max_new_tokens=24, progress=False)
+                     {"chain": TreeConfig.chain(4)}, max_new_tokens=24, progress=False)
     tau = {r.draft: r.tau for r in rows}
     assert all(r.identical == r.prompts for r in rows)
     assert tau["trained"] > tau["random"] + 0.5, tau
@@ -243,7 +243,7 @@ def test_train_draft_end_to_end(models, tmp_path, monkeypatch):
     small = functools.partial(td.TrainDraftConfig, eval_prompts=2, eval_new_tokens=8,
                               selfdistill=SelfDistillConfig(new_tokens=16))
     monkeypatch.setattr(td, "TrainDraftConfig", small)
-    monkeypatch.setattr(td, "SHAPES", {"chain": TreeConfig("chain", depth=2)})
+    monkeypatch.setattr(td, "SHAPES", {"chain": TreeConfig.chain(3)})
     out = tmp_path / "head"
     assert main(["train-draft", "--target", str(models["llama"]), "--data", str(tmp_path / "data.jsonl"),
                  "--out", str(out), "--method", "eagle1", "--steps", "3"]) == 0
@@ -265,7 +265,7 @@ def test_committed_default_is_lossless(head):
     backend = TorchBackend(TINY / "target", TINY / head)
     assert backend.draft_kind == head
     prompts = read_prompts(TINY / "prompts.jsonl", None)[:3]
-    tree = TreeConfig("dynamic", total_tokens=16, depth=5, top_k=4)
+    tree = TreeConfig.parse("dynamic:16/6/4")
     rows = check_greedy(backend, tree, prompts, 48)
     assert all(r.identical for r in rows)
     assert sum(r.tau for r in rows) / len(rows) > (2.0 if head == "eagle3" else 1.5)

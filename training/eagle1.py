@@ -95,7 +95,7 @@ def train_eagle1(target: Target, data: SelfDistillData, cfg: Eagle1Config, eos_i
                  checkpoint: Path | None = None, threads: int | None = None):
     """Returns (head, config dict, per-step losses)."""
     seed_everything(cfg.seed, threads)
-    target.set_features("eagle1")
+    target = target.with_features("eagle1")
     mask = data.loss_mask(cfg.loss_on_prompt)
     config = head_config(target, cfg, eos_id)
     head = new_head(target, config, "eagle1")

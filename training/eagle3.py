@@ -172,12 +172,13 @@ def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: to
 
 # ------------------------------------------------------------------------------------------------ train / save
 
-def prepare_teacher(target: Target, data: SelfDistillData, cfg: Eagle3Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Point the target's features at EAGLE-3's taps; returns (d2t, t2d) from the frequencies of the tokens the
-    head will be asked to predict (t2d's ids are the Teacher's `keep`)."""
-    target.set_features("eagle3", eagle3_taps(target.spec.num_layers))
+def prepare_teacher(target: Target, data: SelfDistillData, cfg: Eagle3Config
+                    ) -> tuple[Target, torch.Tensor, torch.Tensor]:
+    """(the target viewed with EAGLE-3's feature taps, d2t, t2d): the draft vocabulary from the frequencies of the
+    tokens the head will be asked to predict (t2d's ids are the Teacher's `keep`)."""
     mask = data.loss_mask(cfg.loss_on_prompt)
-    return vocab_map(data.token_counts(target.spec.vocab_size, mask), cfg.draft_vocab_size)
+    d2t, t2d = vocab_map(data.token_counts(target.spec.vocab_size, mask), cfg.draft_vocab_size)
+    return target.with_features("eagle3", eagle3_taps(target.spec.num_layers)), d2t, t2d
 
 
 def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_id: int | None = None,
@@ -185,7 +186,7 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
     """Returns (head, config dict, t2d, per-step losses). `teacher_cache`: heads.teacher_outputs of the data for
     prepare_teacher's vocabulary, computed elsewhere (make tiny splits it over two processes)."""
     seed_everything(cfg.seed, threads)
-    d2t, t2d = prepare_teacher(target, data, cfg)
+    target, d2t, t2d = prepare_teacher(target, data, cfg)
     keep = t2d.nonzero().squeeze(1)                                      # the draft vocabulary's target ids
     mask = data.loss_mask(cfg.loss_on_prompt)
     config = head_config(target, cfg, eos_id)

@@ -50,7 +50,7 @@ def causal_mask(batch: int, n: int) -> torch.Tensor:
 @torch.no_grad()
 def teacher(target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B,T] -> the target's logits [B,T,V] float32 and the features its head reads [B,T,F]
-    (whatever target.set_features chose), from the same forward the runtime runs."""
+    (whatever the target view was made with), from the same forward the runtime runs."""
     B, T = tokens.shape
     t = target.spec
     cache = causal_cache((t.num_layers, t.num_kv_heads, t.head_dim), B, target.embed_weight.dtype)

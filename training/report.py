@@ -10,18 +10,11 @@ from eaglex.runtime.types import TreeConfig
 
 from . import loop
 
-# The shapes every report measures. "dyn-16" is the CPU default proposed for the embedded model (cpu-cost-model.md
-# §6: short trees of ~8-16 nodes, few nodes expanded per level); "official" is EaModel's 60/7/10.
-SHAPES: dict[str, TreeConfig] = {
-    "chain-4": TreeConfig("chain", depth=3),
-    "chain-6": TreeConfig("chain", depth=5),
-    "chain-8": TreeConfig("chain", depth=7),
-    "dyn-8/d4/k2": TreeConfig("dynamic", total_tokens=8, depth=4, top_k=2),
-    "dyn-16/d5/k4": TreeConfig("dynamic", total_tokens=16, depth=5, top_k=4),
-    "dyn-16/d7/k2": TreeConfig("dynamic", total_tokens=16, depth=7, top_k=2),
-    "official-60/d7/k10": TreeConfig("dynamic", total_tokens=60, depth=7, top_k=10),
-}
-DEFAULT_SHAPE = "dyn-16/d5/k4"
+# The shapes every report measures, keyed by their spelling: chains, short CPU-sized trees (~8-16 nodes, few nodes
+# expanded per level) and the official code's default (60/7/10 there, see TreeConfig).
+SHAPES: dict[str, TreeConfig] = {str(t): t for t in map(TreeConfig.parse, (
+    "chain:4", "chain:6", "chain:8", "dynamic:8/5/2", "dynamic:16/6/4", "dynamic:16/8/2", "dynamic:60/8/10"))}
+DEFAULT_SHAPE = "dynamic:16/6/4"
 
 
 @dataclass(frozen=True)

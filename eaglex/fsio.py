@@ -1,9 +1,13 @@
-"""Atomic output folders: everything eaglex writes (engines, bundles, calibrated checkpoints) is built in a hidden
-sibling folder and renamed into place at the end, so a crash never leaves a folder that looks complete, and an
-existing result is replaced only when asked and only if it is one of ours."""
+"""Files written safely: atomic output folders and JSON files, and file hashes.
+
+Everything eaglex writes (engines, bundles, calibrated checkpoints) is built in a hidden sibling folder and renamed
+into place at the end, so a crash never leaves a folder that looks complete, and an existing result is replaced only
+when asked and only if it is one of ours. A shared leaf: it imports nothing of eaglex but the error type."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -46,3 +50,20 @@ def staged(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json(path: Path, data) -> None:
+    """Atomic: a crash leaves the old file or the new one, never half of one (the temp name is per process, so
+    two writers never share it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,6 +1,6 @@
 """`make tiny`: rebuild the embedded default models/tiny/ from the running interpreter's standard library.
 
-    python -m eaglex.training.tiny [--out models/tiny] [--work build/tiny]
+    python tools/train_tiny.py [--out models/tiny] [--work build/tiny]
 
 The target trains on both cores (two threads), then two lanes of one thread each use both cores. Every stage has
 a fixed thread count, so the build is deterministic (a CPU kernel's result can depend on the thread count, never
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from . import corpus, data, loop, tokenizer
-from .draft_lm import DraftLMConfig, save_draft_lm, train_draft_lm
-from .eagle1 import Eagle1Config, save_eagle1, train_eagle1
-from .eagle3 import Eagle3Config, save_eagle3, train_eagle3
-from .loop import OptimConfig, digest
-from .report import DEFAULT_SHAPE, SHAPES, TauRow, format_table, tau_table, vanilla_outputs
-from .selfdistill import SelfDistillConfig, SelfDistillData, generate
-from .target import TargetConfig, eval_loss, save_target, train_target
+from eaglex.training import corpus, data, loop, tokenizer
+from eaglex.training.draft_lm import DraftLMConfig, save_draft_lm, train_draft_lm
+from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
+from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
+from eaglex.training.loop import OptimConfig, digest
+from eaglex.training.report import DEFAULT_SHAPE, SHAPES, TauRow, format_table, tau_table, vanilla_outputs
+from eaglex.training.selfdistill import SelfDistillConfig, SelfDistillData, generate
+from eaglex.training.target import TargetConfig, eval_loss, save_target, train_target
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,8 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     reads them instead of spending a minute of the critical path on the whole."""
     from eaglex.models.target import load_target
 
-    from .eagle3 import prepare_teacher
-    from .heads import teacher_outputs
+    from eaglex.training.eagle3 import prepare_teacher
+    from eaglex.training.heads import teacher_outputs
 
     sd = SelfDistillData.load(p.work / "selfdistill.pt")
     e3 = cfg.eagle3
@@ -190,7 +190,8 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     if _cached(key_file, key):
         return
     target = load_target(p.target)
-    keep = prepare_teacher(target, sd, e3)[1].nonzero().squeeze(1)
+    target, _, t2d = prepare_teacher(target, sd, e3)
+    keep = t2d.nonzero().squeeze(1)
     tmp = p.work / f"teacher3_{half}.tmp"
     torch.save(teacher_outputs(target, sd.tokens[a:b], keep, e3.batch), tmp)
     tmp.replace(p.work / f"teacher3_{half}.pt")
@@ -308,7 +309,7 @@ def build(out: Path, work: Path, cfg: TinyConfig = TinyConfig()) -> dict:
         info["eagle3"], seconds["eagle3"] = _timed(stage_eagle3, p, cfg)
         # EAGLE-3's τ: the shapes in two halves of about equal cost (the side lane is idle by now)
         shapes = tuple(SHAPES)
-        main_half = ("chain-4", "dyn-16/d7/k2", "official-60/d7/k10")
+        main_half = ("chain:4", "dynamic:16/8/2", "dynamic:60/8/10")
         tau3_side = side.submit(_timed, stage_tau, p, cfg, "eagle3", tuple(s for s in shapes if s not in main_half))
         tau3, seconds["tau_eagle3"] = _timed(stage_tau, p, cfg, "eagle3", main_half)
         tau3 = sorted(tau3 + tau3_side.result()[0], key=lambda r: shapes.index(r["shape"]))
@@ -325,7 +326,7 @@ def build(out: Path, work: Path, cfg: TinyConfig = TinyConfig()) -> dict:
         "python": sys.version.split()[0], "platform": platform.platform(), "cpu": _cpu(),
         "torch": torch.__version__, "threads_per_lane": 1, "target_threads": cfg.target_threads,
         "stdlib": cfg.corpus.root or str(corpus.stdlib_root()),
-        **info, "default_tree": {"name": DEFAULT_SHAPE, **asdict(SHAPES[DEFAULT_SHAPE])},
+        **info, "default_tree": DEFAULT_SHAPE,
         "tau": [asdict(r) for r in rows], "tau_table": table,
         "sample": {"prompt": prompt["prompt"], "greedy_continuation": sample},
         "seconds": seconds, "config": asdict(cfg),
@@ -374,7 +375,7 @@ counts outputs identical to vanilla greedy decoding:
 
 {m["tau_table"]}
 
-Default tree for this model: `{m["default_tree"]["name"]}`.
+Default tree for this model: `{m["default_tree"]}`.
 
 What it shows: real acceptance of heads trained by eaglex's own trainers on a target's own outputs, end to end on
 CPU. What it cannot: the target is a {t["params"] / 1e6:.0f} M-parameter model trained for minutes; its greedy text
@@ -411,7 +412,7 @@ def _sample(target_dir: Path, prompt: list[int], n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eaglex.training.tiny", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python tools/train_tiny.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny"))
     ap.add_argument("--work", type=Path, default=Path("build/tiny"), help="checkpoints and cached stage outputs")
     args = ap.parse_args(argv)

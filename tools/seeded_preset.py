@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fixtures import make_eagle3_head, make_llama_target  # noqa: E402
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Peak memory of an engine build, per phase: `python -m eaglex.export.memory_probe TARGET [DRAFT] OUT`.
+"""Peak memory of an engine build, per phase: `python tools/memory_probe.py TARGET [DRAFT] OUT`.
 
 Prints one JSON object: the weights' size, the baseline after imports, and for each phase (load, transpose, export,
 torch reference, ORT check) the peak anonymous RSS (memory the process really holds) and the peak total RSS (which
@@ -86,7 +86,7 @@ def probe(target_dir, draft_dir, out_dir) -> dict:
 if __name__ == "__main__":
     args = sys.argv[1:]
     if len(args) not in (2, 3):
-        sys.exit("usage: python -m eaglex.export.memory_probe TARGET [DRAFT] OUT")
+        sys.exit("usage: python tools/memory_probe.py TARGET [DRAFT] OUT")
     target_dir, out = args[0], args[-1]
     draft = args[1] if len(args) == 3 else None
     print(json.dumps(probe(target_dir, draft, out), indent=2))

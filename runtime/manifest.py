@@ -1,20 +1,22 @@
 """manifest.json of an engine folder: what was built from what, and the checks a loader runs before trusting it.
 
 The manifest is the engine's table of contents: format version, backend, dtype, opset, the target's TargetSpec,
-the draft head (kind, feature layers, draft vocabulary and whether a d2t map is applied), the default method and
-tree, every file with its size and sha256, the sha256 of the source weights, tool versions and the parity errors
-measured at build time. Every graph also carries the engine's id in its ONNX metadata, so a graph copied over from
-another engine is caught even when its file is too big to hash on every load.
+the draft head (kind, feature layers, draft vocabulary and whether a d2t map is applied), the method and the
+`tree` every entry point runs by default (written at build, overwritten by tuning: `tuning` records what was
+measured), every file with its size and sha256, the sha256 of the source weights, tool versions and the parity
+errors measured at build time. Every graph also carries the engine's id in its ONNX metadata, so a graph copied
+over from another engine is caught even when its file is too big to hash on every load.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
+from eaglex.fsio import sha256_file, write_json
 from eaglex.models.errors import ModelError
 from eaglex.models.target import TargetSpec
+
+from .types import TreeConfig
 
 FORMAT = "eaglex-engine"
 FORMAT_VERSION = 1
@@ -22,20 +24,12 @@ MANIFEST = "manifest.json"
 HASH_LIMIT = 2 * 1024 ** 3      # files up to this size are hashed on load; bigger ones are checked by size + id
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HASH_LIMIT", "sha256_file", "write_manifest", "read_manifest",
+           "verify_files", "target_spec", "manifest_tree", "default_method"]
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    """Atomic: a crash leaves the old manifest or the new one, never half of one."""
-    path = Path(folder) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(Path(folder) / MANIFEST, manifest)
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -79,3 +73,27 @@ def target_spec(manifest: dict) -> TargetSpec:
     s = dict(manifest["target"]["spec"])
     s["eos_ids"] = tuple(s["eos_ids"])
     return TargetSpec(**s)
+
+
+def default_method(draft_kind: str | None) -> str:
+    """The method a head implies: EAGLE-3 heads run eagle3, EAGLE-1/2 heads EAGLE-2's dynamic trees."""
+    return {"eagle3": "eagle3", "eagle1": "eagle2", None: "vanilla"}[draft_kind]
+
+
+def manifest_tree(manifest: dict) -> TreeConfig | None:
+    """The tree the engine runs by default: the `tree` field (the tuned shape once `eaglex engine` or `--tree auto`
+    measured one). Engines written before that field keep working: their `tuned_tree`, else `default_tree`."""
+    if manifest.get("tree"):
+        try:
+            return TreeConfig.parse(manifest["tree"])
+        except ValueError as e:
+            raise ModelError(f"engine manifest: {e}: rebuild the engine with `eaglex build --force`") from None
+    old = (manifest.get("tuned_tree") or {}).get("tree") or manifest.get("default_tree")
+    if not old:
+        return None
+    # the old dicts counted `depth` as draft forwards after the first one (the official code's convention)
+    fields = {k: old[k] for k in ("kind", "total_tokens", "depth", "top_k") if k in old}
+    fields["depth"] = fields.get("depth", 0) + 1
+    if old.get("choices") is not None:
+        fields["choices"] = tuple(tuple(c) for c in old["choices"])
+    return TreeConfig(**fields)

@@ -28,7 +28,7 @@ Building writes 2.0 GB (target, 494.7M parameters) + 0.2 GB (head) of float32 sa
 (alpha probe included), the engine in about 40 s more (peak RSS 4.4 GB). Nothing is trained or downloaded; the
 same seed gives byte-identical tensors.
 
-Command line (used by `make bench`):  python tests/bench_models.py OUT_DIR [--engine ENGINE_DIR] [--force]
+Command line (used by `make bench`):  python tools/bench_models.py OUT_DIR [--engine ENGINE_DIR] [--force]
 writes OUT_DIR/target, OUT_DIR/eagle3, OUT_DIR/prompts.jsonl, OUT_DIR/agreement.json and builds the ONNX Runtime
 engine ENGINE_DIR; every step is skipped when its output exists (a stamp file marks a finished step).
 """

@@ -1,10 +1,10 @@
-"""`eaglex generate/check --engine BUNDLE` for TensorRT-LLM bundles (engines/trtllm.py), through `tensorrt_llm.LLM`.
+"""TensorRT-LLM bundles (written by engines/trtllm.py) behind the same generate/check interface as Engine.
 
 TensorRT-LLM drafts and verifies inside its own executor, so a bundle does not run behind eaglex's Backend
 protocol: generation hands token-id prompts to `LLM.generate`, once with the bundle's `speculative_config`
 (EAGLE-3) and, for `check`, once without (vanilla), and compares the token ids. The two LLMs are never alive
-together (a 70B model does not fit twice). Written from the public LLM API (nvidia-stack.md §1.2, §4.1); it only
-runs where TensorRT-LLM is installed, i.e. on a GPU machine. Elsewhere every entry point stops with a ModelError.
+together (a 70B model does not fit twice). Written from TensorRT-LLM's public LLM API; it only runs where
+TensorRT-LLM is installed, i.e. on a GPU machine. Elsewhere opening a bundle stops with a ModelError.
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class TrtllmResult:
     index: int
     output_ids: list[int]
     seconds: float
+    stop_reason: str = ""
+    tau = 0.0           # TensorRT-LLM does not report acceptance per request
+    cycles = 0
 
     def to_json(self) -> dict:
         return {"output_ids": self.output_ids, "seconds": round(self.seconds, 4), "backend": "tensorrt-llm"}
@@ -135,3 +138,32 @@ def _supported(cls, kwargs: dict) -> dict:
     if "seed" in kwargs and "seed" not in out and "random_seed" not in out:
         print(f"eaglex: TensorRT-LLM's {cls.__name__} takes no seed; sampling is unseeded", file=sys.stderr)
     return out
+
+
+class TrtllmEngine:
+    """open_engine()'s answer for a bundle: the Engine interface (generate, check, method, tokenizer)."""
+    layout = "bundle"
+    tree = None
+
+    def __init__(self, bundle, method: str | None = None):
+        if method not in (None, "eagle3", "vanilla"):
+            raise ModelError(f"a TensorRT-LLM bundle runs EAGLE-3 or vanilla, not {method}")
+        self.runner = TrtllmRunner(bundle)
+        self.path, self.method = self.runner.bundle, method or "eagle3"
+        self.manifest = self.runner.manifest
+        self.draft_kind = "eagle3"
+        from eaglex.prompts import load_tokenizer
+        self.tokenizer = load_tokenizer(self.runner.tokenizer_dir)
+
+    def generate(self, prompts, sampling=None, max_new_tokens: int = 128, seeds=None, stop=None, on_tokens=None):
+        """TensorRT-LLM runs the batch itself; `stop` and `on_tokens` are not supported there (refused when given)."""
+        if stop is not None or on_tokens is not None:
+            raise ModelError("TensorRT-LLM bundles do not stream or stop early through eaglex; serve them with "
+                             "trtllm-serve or Triton's TensorRT-LLM backend")
+        s = {} if sampling is None or sampling.greedy else {
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "seed": sampling.seed}
+        return self.runner.generate(prompts, max_new_tokens, speculative=self.method != "vanilla", **s)
+
+    def check(self, prompts, max_new_tokens: int) -> list[dict]:
+        return self.runner.check(prompts, max_new_tokens)

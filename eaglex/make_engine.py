@@ -1,0 +1,113 @@
+"""`eaglex engine` / `make engine`: build (or reuse) a preset's engine, tune its tree, check it against vanilla on
+the preset's held-out prompts, and print a side-by-side demo."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from eaglex.models.errors import ModelError
+from eaglex.prompts import BUILTIN_PROMPTS, encode, load_tokenizer, read_prompts
+from eaglex.runtime.engine import open_engine, open_models
+from eaglex.runtime.equivalence import check_greedy
+
+from .presets import REPO_ROOT, Preset, get_preset, preset_folders
+
+
+def make_engine(model: str, backend: str | None = None, model_dir=None, draft_dir=None, out: Path | None = None,
+                force: bool = False, max_new_tokens: int = 48) -> int:
+    preset = get_preset(model)
+    backend = backend or preset.backend
+    target_dir, draft_dir = preset_folders(preset, model_dir, draft_dir)
+    out = out or Path("engines") / preset.name
+    if backend == "tensorrt-llm":
+        return _trtllm(preset, target_dir, draft_dir, out, force)
+    if backend == "onnxruntime":
+        _build_onnx(target_dir, draft_dir, out, force)
+        engine = open_engine(out)
+    else:
+        engine = open_models(target_dir, draft_dir)
+    prompts = preset_prompts(preset, engine)
+    from eaglex.engines.tune import tune_engine
+    tune_engine(engine, prompts, force=force)
+    rows = check_greedy(engine.backend, engine.tree, prompts, max_new_tokens)
+    bad = [r.index for r in rows if not r.identical]
+    taus = [r.tau for r in rows if r.speculative.cycles]
+    print(f"check: {len(rows) - len(bad)}/{len(rows)} prompts identical to vanilla on {backend} "
+          f"(tree {engine.tree}), mean tau {sum(taus) / max(len(taus), 1):.2f}")
+    if bad:
+        print(f"eaglex: error: speculative output differs from vanilla on prompts {bad}", file=sys.stderr)
+        return 1
+    demo(engine, prompts[0], max_new_tokens)
+    return 0
+
+
+def _build_onnx(target_dir, draft_dir, out: Path, force: bool) -> None:
+    from eaglex.engines.build import build_engine, summary
+    from eaglex.runtime.manifest import read_manifest
+    fresh = force or not (out / "manifest.json").is_file()
+    if not fresh:
+        try:
+            read_manifest(out)
+        except ModelError:
+            fresh = True
+    if fresh:
+        print(summary(build_engine(target_dir, draft_dir, out, "onnxruntime", "float32", True), out))
+    else:
+        print(f"reusing {out} (pass --force or `make engine FORCE=1` to rebuild)")
+
+
+def preset_prompts(preset: Preset, engine) -> list[list[int]]:
+    """The preset's own held-out prompts (never trained on), else the built-in ones."""
+    tok = engine.tokenizer
+    prompt_file = REPO_ROOT / preset.prompts if preset.prompts else None
+    if prompt_file is not None and prompt_file.is_file():
+        return read_prompts(prompt_file, tok)
+    if tok:
+        return [encode({"prompt": t}, tok, False, "builtin prompt") for t in BUILTIN_PROMPTS]
+    return [[(7 * i + j) % engine.spec.vocab_size for j in range(1, 9)] for i in range(len(BUILTIN_PROMPTS))]
+
+
+def demo(engine, prompt: list[int], max_new_tokens: int) -> None:
+    """The same prompt through vanilla decoding and the engine's own method, with the speedup."""
+    from eaglex.runtime.generate import VanillaGenerator
+    v = VanillaGenerator(engine.backend).generate(prompt, max_new_tokens)
+    s = engine.generator().generate(prompt, max_new_tokens)
+    tok = engine.tokenizer
+    text = tok.decode(prompt + s.output_ids) if tok else " ".join(map(str, prompt + s.output_ids))
+    print("demo " + "-" * 60 + "\n" + text + "\n" + "-" * 65)
+    print(f"vanilla {len(v.output_ids) / v.seconds:.1f} tokens/s | eaglex {len(s.output_ids) / s.seconds:.1f} "
+          f"tokens/s, tau {s.tau:.2f} | speedup {v.seconds / s.seconds:.2f}x | identical: "
+          f"{'yes' if s.output_ids == v.output_ids else 'NO'}")
+
+
+def _trtllm(preset: Preset, target_dir, draft_dir, out: Path, force: bool) -> int:
+    """TensorRT-LLM presets: write the bundle (FP8 + tensor parallel over the visible GPUs); on a machine with
+    TensorRT-LLM also check EAGLE against vanilla there, elsewhere say where it runs."""
+    from eaglex.engines import trtllm
+
+    gpus = 0
+    try:
+        import torch
+        gpus = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no CUDA build: count as none
+        pass
+    cfg = trtllm.TrtllmConfig(quant=preset.quant, tp=max(gpus, 1))
+    if (out / "manifest.json").is_file() and not force:
+        print(f"reusing {out} (pass FORCE=1 to rebuild)")
+    else:
+        print(trtllm.summary(trtllm.build_trtllm_bundle(target_dir, draft_dir, out, cfg, None, True), out))
+    try:
+        import tensorrt_llm  # noqa: F401 - only whether it is installed
+    except ImportError:
+        print(f"TensorRT-LLM is not installed here: run `eaglex check --engine {out} --prompts FILE` on a machine "
+              f"with it ({preset.hardware}); the bundle is ready to copy there")
+        return 0
+    engine = open_engine(out)
+    prompts = preset_prompts(preset, engine)
+    t = time.perf_counter()
+    rows = engine.check(prompts, 64)
+    bad = sum(not r["identical"] for r in rows)
+    print(f"check: {len(rows) - bad}/{len(rows)} identical to vanilla (tensorrt-llm, EAGLE-3, "
+          f"{time.perf_counter() - t:.0f} s)")
+    return 1 if bad else 0

@@ -1,0 +1,154 @@
+"""open_engine(): the one answer to "what does this folder mean, and how does it decode by default".
+
+Every entry point (the CLI, the Triton model, the benchmark, the trainers' reports) opens models through here, so
+an engine runs the same method and tree wherever it is used. Accepted layouts:
+
+- ``engine``: an ONNX Runtime engine folder written by `eaglex build` (manifest.json); its method and `tree` come
+  from the manifest, where tuning (`eaglex engine`, `--tree auto`) stores the shape it measured as fastest;
+- ``bundle``: a TensorRT-LLM bundle (manifest.json with backend tensorrt-llm), run by runtime/trtllm.py;
+- ``checkpoint``: a folder with ``target/`` (Hugging Face model) and optionally ``draft/`` (EAGLE head): the
+  PyTorch backend, for deployments straight from checkpoints;
+- ``hf``: a bare Hugging Face model folder (config.json): the PyTorch backend, vanilla decoding.
+
+`open_models(target, draft)` opens a pair of model folders the same way (the CLI's --target/--draft).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from eaglex.models.errors import ModelError
+from eaglex.prompts import load_tokenizer
+
+from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
+from .manifest import MANIFEST, default_method, manifest_tree
+from .sampling import derive_seed
+from .types import SamplingConfig, TreeConfig
+
+METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class Engine:
+    """A ready-to-decode model: backend (target + optional head), tokenizer, and the method and tree it runs."""
+    backend: object                 # a runtime Backend
+    tokenizer: object | None        # Hugging Face tokenizer, None when the folder has none
+    method: str                     # "eagle3" | "eagle2" | "eagle1" | "vanilla"
+    tree: TreeConfig | None         # None for vanilla
+    layout: str                     # "engine" | "checkpoint" | "hf" | "models"
+    path: Path | None = None        # the engine folder (layout "engine"): where tuning writes its result
+
+    @property
+    def spec(self):
+        return self.backend.spec
+
+    @property
+    def draft_kind(self) -> str | None:
+        return self.backend.draft_kind
+
+    @property
+    def manifest(self) -> dict | None:
+        return getattr(self.backend, "manifest", None)
+
+    def generator(self, sampling: SamplingConfig = SamplingConfig()):
+        """A generator for one request at a time (generators hold the sampling config; the backend is shared)."""
+        if self.method == "vanilla":
+            return VanillaGenerator(self.backend, sampling)
+        return SpeculativeGenerator(self.backend, self.tree, sampling)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig = SamplingConfig(),
+                 max_new_tokens: int = 128, seeds: list[int | None] | None = None,
+                 stop: Callable[[], bool] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+        """One result per prompt. Prompt i samples from its own stream: `seeds[i]` when given, else one derived
+        from (sampling.seed, i), so a prompt's output never depends on the other prompts."""
+        results = []
+        for i, ids in enumerate(prompts):
+            seed = seeds[i] if seeds is not None and seeds[i] is not None else derive_seed(sampling.seed, i)
+            gen = self.generator(replace(sampling, seed=seed))
+            emit = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens else None
+            try:
+                results.append(gen.generate(ids, max_new_tokens, emit, stop))
+            except ValueError as e:             # a prompt that does not fit this model: one line for the user
+                raise ModelError(f"prompt {i}: {e}") from None
+        return results
+
+
+def layout(path: str | Path) -> str:
+    """What kind of folder `path` is, or a ModelError saying what was expected."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelError(f"engine folder {p} does not exist: build one with `eaglex build` (or `make engine`)")
+    if (p / MANIFEST).is_file():
+        try:
+            backend = json.loads((p / MANIFEST).read_text()).get("backend")
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            backend = None                      # read_manifest says what is wrong with it
+        return "bundle" if backend == "tensorrt-llm" else "engine"
+    if (p / "target" / "config.json").is_file():
+        return "checkpoint"
+    if (p / "config.json").is_file():
+        return "hf"
+    raise ModelError(f"{p} is neither an engine folder (manifest.json), a folder with target/ (and draft/) model "
+                     "folders, nor a Hugging Face model folder (config.json)")
+
+
+def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig | None = None,
+                dtype: str = "float32", draft_kind: str | None = None, threads: int | None = None):
+    """Open any layout above. Overrides: `method` ("vanilla" turns drafting off), `tree` (else the engine's own),
+    `dtype` (PyTorch layouts), `draft_kind` (must match the head), `threads` (ONNX Runtime's pool size).
+    Returns an Engine, or for a TensorRT-LLM bundle a TrtllmEngine with the same generate/check interface."""
+    p = Path(path)
+    kind = layout(p)
+    if kind == "bundle":
+        from .trtllm import TrtllmEngine
+        return TrtllmEngine(p, method=method)
+    if kind == "engine":
+        from .ort_backend import OrtBackend
+        backend = OrtBackend(p, draft_kind=draft_kind, threads=threads)
+        m = backend.manifest
+        return _engine(backend, p, m.get("method") or m.get("default_method"), manifest_tree(m), method, tree,
+                       "engine", p)
+    target = p / "target" if kind == "checkpoint" else p
+    draft = p / "draft" if kind == "checkpoint" and (p / "draft").is_dir() else None
+    return open_models(target, draft, method=method, tree=tree, dtype=dtype, draft_kind=draft_kind, layout=kind)
+
+
+def open_models(target: str | Path, draft: str | Path | None = None, *, method: str | None = None,
+                tree: TreeConfig | None = None, dtype: str = "float32", draft_kind: str | None = None,
+                layout: str = "models") -> Engine:
+    """A target folder (+ EAGLE head folder) on the PyTorch backend."""
+    from .torch_backend import TorchBackend
+    backend = TorchBackend(target, draft, dtype, draft_kind)
+    tok_dir = Path(target)
+    if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES) and layout == "checkpoint":
+        tok_dir = tok_dir.parent
+    return _engine(backend, tok_dir, None, TreeConfig(), method, tree, layout, None)
+
+
+def _engine(backend, tok_dir: Path, own_method: str | None, own_tree: TreeConfig | None, method: str | None,
+            tree: TreeConfig | None, kind: str, path: Path | None) -> Engine:
+    """Resolve the method and tree: the caller's overrides, else the model's own."""
+    head = backend.draft_kind
+    if method is not None and method not in METHODS:
+        raise ModelError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    chosen = method or own_method or default_method(head)
+    if chosen != "vanilla":
+        if head is None:
+            raise ModelError(f"method {chosen} needs a draft head, and this model has none")
+        want = "eagle3" if chosen == "eagle3" else "eagle1"
+        if head != want:
+            raise ModelError(f"method {chosen} needs an {_head_name(want)} head, but the draft is an "
+                             f"{_head_name(head)} head: use method {'eagle3' if head == 'eagle3' else 'eagle2'}")
+    if chosen == "vanilla":
+        return Engine(backend, load_tokenizer(tok_dir), "vanilla", None, kind, path)
+    if tree is None:
+        tree = TreeConfig.parse("static") if chosen == "eagle1" and method == "eagle1" else own_tree or TreeConfig()
+    return Engine(backend, load_tokenizer(tok_dir), chosen, tree, kind, path)
+
+
+def _head_name(kind: str) -> str:
+    return "EAGLE-3" if kind == "eagle3" else "EAGLE-1/2"
