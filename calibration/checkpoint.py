@@ -1,6 +1,6 @@
 """Reading ModelOpt's unified Hugging Face FP8 checkpoint (what `eaglex calibrate` writes) without ModelOpt.
 
-Layout (env.md §1, nvidia-stack.md §2.3), per quantized Linear `<m>`:
+Layout (ModelOpt's export_hf_checkpoint), per quantized Linear `<m>`:
     <m>.weight        float8_e4m3fn [out, in]      = round(W / weight_scale)
     <m>.weight_scale  float32 scalar               = weight amax / 448
     <m>.input_scale   float32 scalar               = calibrated input amax / 448
@@ -10,15 +10,23 @@ plus `hf_quant_config.json` {"quantization": {"quant_algo": "FP8", "kv_cache_qua
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from eaglex.models.errors import ModelError
 
-from eaglex.export.quantize import Fp8Scales
-
 QUANT_CONFIG = "hf_quant_config.json"
+
+
+@dataclass(frozen=True)
+class Fp8Scales:
+    """Calibrated FP8 scales of one Linear (both amax / 448) and its FP8 weight bits as stored. The same fields as
+    export.quantize.Fp8Scales, which reads them by name (calibration does not import export)."""
+    weight_scale: float
+    input_scale: float
+    weight_fp8: np.ndarray | None = None     # uint8 bit patterns of float8_e4m3fn, [out, in] as in the checkpoint
 
 
 def quant_config(folder: str | Path) -> dict:

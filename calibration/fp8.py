@@ -1,20 +1,29 @@
-"""`eaglex calibrate`: FP8 post-training quantization of a target with NVIDIA ModelOpt, on CPU or GPU.
+"""`eaglex calibrate`: FP8 post-training quantization of a target with NVIDIA ModelOpt, on CPU or GPU(s).
 
     target folder --(ModelOpt mtq.quantize, FP8_DEFAULT_CFG [+ FP8_KV_CFG], max calibration over real text)-->
-    ModelOpt's unified Hugging Face checkpoint (export_hf_checkpoint) + tokenizer + eaglex_calibration.json
+    ModelOpt's unified Hugging Face checkpoint (export_hf_checkpoint, in bfloat16 unless asked otherwise)
+    + tokenizer + eaglex_calibration.json
 
 The checkpoint is what TensorRT-LLM's PyTorch backend, vLLM and SGLang load as a pre-quantized FP8 model, and what
 `eaglex build --quant fp8 --calibrated DIR` reads the scales from (calibration/checkpoint.py). Facts this relies on
-(env.md §1, measured with ModelOpt 0.47 + transformers 5.14.1 on CPU):
+(measured with ModelOpt 0.47 + transformers 5.14.1 on CPU):
 - `quant_cfg` is a *list* of {quantizer_name, cfg|enable} entries; FP8_KV_CFG is a fragment to append, never a
   config of its own (alone, the weights fall back to int8 without amax and export fails).
 - On CPU the fake quant is plain torch (x*448/amax -> float8_e4m3fn -> *amax/448); per-tensor scales.
 - export_hf_checkpoint needs config.architectures and turns the model's weights into float8 in place, so it runs
-  last, after every evaluation (no second copy of the weights is ever made).
+  last, after every evaluation (no second copy of the weights is ever made). Its `dtype` is the dtype of every
+  tensor it does not quantize (embeddings, norms, lm_head) and of config.json: bfloat16 by default here, because
+  TensorRT-LLM takes the model dtype from the config and most of its kernels have no float32 path.
+
+Memory (calibration/memory.py): the target is loaded in the calibration dtype (bfloat16 by default); on the CPU its
+tensors are read into process memory one by one (no memory map), so that the export's in-place FP8 conversion frees
+them and the peak stays near one copy of the weights; on GPUs they are spread over every visible GPU with a device
+map (what does not fit is offloaded to CPU RAM). What the target needs is checked against the machine before any
+weight is read, and refused in one line when it is not there. The report records the measured peak.
 
 The quality report compares the fake-quantized model with the unquantized one on held-out text: perplexity of both,
 top-1 agreement, mean KL(ref || quant) and the relative L2 error of the logits. Exact top-1 equality is not expected:
-FP8 rounding flips cascade to a few percent of logit error (env.md §1).
+FP8 rounding flips cascade to a few percent of logit error.
 
 The draft head stays float unless asked (`--quant-draft`): then the EAGLE head is quantized the same way, calibrated
 on the quantized target's features over the same windows, and written as an FP8 head folder next to the target.
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import json
 import math
 import shutil
@@ -35,9 +45,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eaglex.engines.staging import check_out, staged
+from eaglex.fsio import check_out, staged
 from eaglex.models.errors import ModelError
 
+from . import memory
 from .data import TextWindows, load_windows
 
 QUANTS = ("fp8",)
@@ -53,14 +64,14 @@ REF_FLOAT32_LIMIT = 64 * 1024 ** 2
 class CalibrateConfig:
     quant: str = "fp8"
     kv_cache: str | None = None      # "fp8": also calibrate the k/v cache scales (FP8_KV_CFG)
-    data: str = "builtin"            # "builtin" or a JSONL file
+    data: str = "auto"               # auto | builtin-chat | builtin | hf:NAME[:SPLIT] | a JSONL file (data.py)
     samples: int = 32                # calibration windows
     seq_len: int = 256               # tokens per window
     eval_samples: int = 8            # held-out windows for the quality report
     batch_size: int = 4
-    dtype: str = "float32"           # dtype the target is loaded (and exported) in
+    dtype: str = "bfloat16"          # dtype the target is loaded, calibrated and exported in
     quant_draft: bool = False        # also quantize the EAGLE head given as draft_dir
-    device: str = "auto"             # "auto": the first CUDA GPU when there is one, else the CPU
+    device: str = "auto"             # auto (every visible GPU when there is one, else the CPU) | cpu | cuda | cuda:N
 
 
 def require_modelopt():
@@ -85,9 +96,12 @@ def modelopt_config(mtq, cfg: CalibrateConfig) -> dict:
 
 
 def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), draft_dir=None, draft_out=None,
-              force: bool = False, progress: bool = True) -> dict:
-    """Quantize, evaluate and export; returns the report (also written to OUT/eaglex_calibration.json)."""
-    from eaglex.models.target import DTYPES, load_target
+              force: bool = False, progress: bool = True, machine: memory.Machine | None = None,
+              dataset_loader=None) -> dict:
+    """Quantize, evaluate and export; returns the report (also written to OUT/eaglex_calibration.json).
+    `machine` replaces the probe of this machine's free memory (tests); `dataset_loader` replaces
+    datasets.load_dataset for --data hf:NAME."""
+    from eaglex.models.target import DTYPES
     from eaglex.prompts import load_tokenizer
 
     t0 = time.perf_counter()
@@ -103,16 +117,20 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
     draft_out = Path(draft_out) if draft_out is not None else out.with_name(out.name + "-draft")
     for folder in [out] + ([draft_out] if cfg.quant_draft else []):
         _check_out(folder, force)
+    _check_target_folder(target_dir)
+    weight_bytes = memory.weights_bytes(target_dir, cfg.dtype)
+    machine = machine or memory.probe()
+    placement = memory.plan(weight_bytes, cfg.device, machine, cfg.dtype)     # refuses before any weight is read
     mtq, mte = require_modelopt()
-
-    target = load_target(target_dir, DTYPES[cfg.dtype])
-    spec = target.spec
     tokenizer = load_tokenizer(target_dir)
+
+    peak = _PeakMemory()
+    target = load_for_calibration(target_dir, cfg.dtype, placement)
+    spec = target.spec
     windows = load_windows(cfg.data, tokenizer, spec.vocab_size, spec.eos_ids[0] if spec.eos_ids else None,
-                           cfg.samples, cfg.seq_len, cfg.eval_samples)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
-    model = target.hf.to(device)
+                           cfg.samples, cfg.seq_len, cfg.eval_samples, dataset_loader)
+    model = target.hf
+    device = input_device(model)
     ref = _logits(model, windows.evaluation, progress, "reference")
 
     batches = _batches(windows.calibration, cfg.batch_size)
@@ -124,8 +142,10 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
     with torch.no_grad(), _stdout_to_stderr(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mtq.quantize(model, modelopt_config(mtq, cfg), forward_loop)
+    _trim()
     quality = _quality(model, windows.evaluation, ref, progress)
     del ref
+    _trim()
     quantizers = quantizer_summary(model)
 
     draft_report = None
@@ -134,24 +154,209 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
 
     report = {
         "target": str(target_dir.resolve()), "out": str(out.resolve()), "config": asdict(cfg),
+        "dtype": cfg.dtype, "placement": placement.note,
         "data": {"source": windows.source, "calibration_windows": len(windows.calibration),
                  "calibration_tokens": windows.calibration_tokens, "evaluation_windows": len(windows.evaluation),
                  "evaluation_tokens": windows.evaluation_tokens},
         "quality": quality, "quantizers": quantizers, "draft": draft_report,
         "tools": _versions(),
     }
+    export_dtype = DTYPES[cfg.dtype]
     with staged(out) as tmp:
-        if not getattr(model.config, "architectures", None):       # export reads it (env.md §1)
+        if not getattr(model.config, "architectures", None):       # export reads it
             model.config.architectures = [spec.arch]
         with torch.no_grad(), _stdout_to_stderr(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mte.export_hf_checkpoint(model, export_dir=str(tmp))   # mutates the model: its last use
+            # mutates the model (weights become float8 in place): its last use. Shards of at most an eighth of the
+            # weights keep the serialization buffer small next to them.
+            mte.export_hf_checkpoint(model, dtype=export_dtype, export_dir=str(tmp),
+                                     max_shard_size=_shard_size(weight_bytes))
+        del model, target
+        _trim()
+        _finish_checkpoint(tmp, cfg.dtype)
         for name in TOKENIZER_FILES:
             if (target_dir / name).is_file():
                 shutil.copy2(target_dir / name, tmp / name)
         report["seconds"] = round(time.perf_counter() - t0, 2)
+        report["memory"] = {"weights_bytes": weight_bytes, **peak.read(),
+                            "machine": machine.describe()}
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+def _check_target_folder(path: Path) -> None:
+    from eaglex.models.target import SUPPORTED_ARCHS, read_config
+
+    raw = read_config(path)
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{path}: architecture {arch} is not supported; eaglex runs {', '.join(SUPPORTED_ARCHS)}")
+
+
+def load_for_calibration(path, dtype: str, placement: memory.Placement):
+    """The target as a models.target.Target in `dtype`, placed as `placement` says. On the CPU the safetensors are
+    read tensor by tensor into process memory (pread, no memory map; converted to `dtype` one tensor at a time), so
+    that RAM holds one copy of the weights and ModelOpt's in-place FP8 export releases them; on GPUs transformers
+    loads shard by shard onto the device map."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    from eaglex.models.target import DTYPES, Target, TargetSpec
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    torch_dtype = DTYPES[dtype]
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config._attn_implementation = "sdpa"
+        files = sorted(path.glob("*.safetensors"))
+        if placement.kind == "cpu" and files:
+            _bound_malloc()
+            state = _read_state(files, torch_dtype)
+            cls = AutoModelForCausalLM._model_mapping[type(config)]
+            model, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=torch_dtype,
+                                              output_loading_info=True)
+            del state
+            tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+            missing = sorted(set(info.get("missing_keys", ())) - tied)
+            if missing or info.get("unexpected_keys"):
+                raise ModelError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected "
+                                 f"{sorted(info.get('unexpected_keys', ()))[:3]})")
+        elif placement.kind == "cpu":
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype)
+        else:
+            if placement.device_map == "auto":
+                try:
+                    import accelerate  # noqa: F401 - device_map="auto" dispatches with it
+                except ImportError:
+                    raise ModelError("spreading the target over several GPUs needs `accelerate`: pip install "
+                                     "accelerate (or pass --device cuda:0 for a target that fits one GPU)") from None
+            kwargs = {"device_map": placement.device_map}
+            if placement.max_memory:
+                kwargs["max_memory"] = placement.max_memory
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, **kwargs)
+    except ModelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to decode the user's files is bad input, said in one line
+        raise ModelError(f"cannot load the target from {path}: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
+    model.eval().requires_grad_(False)
+    eos = config.eos_token_id
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id if gen.eos_token_id is not None else eos
+    except OSError:
+        pass
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    spec = TargetSpec(arch=config.architectures[0], num_layers=config.num_hidden_layers,
+                      hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+                      num_kv_heads=config.num_key_value_heads or config.num_attention_heads, head_dim=head_dim,
+                      vocab_size=config.vocab_size, max_context=config.max_position_embeddings, eos_ids=eos_ids)
+    return Target(model, spec)
+
+
+def _read_state(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    state = {}
+    for f in files:
+        with safe_open(str(f), "pt", backend="pread") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                state[k] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    return state
+
+
+def input_device(model) -> torch.device:
+    """Where input ids go: the device of the input embeddings (the first stage of a device map)."""
+    return model.get_input_embeddings().weight.device
+
+
+def _shard_size(weight_bytes: int) -> int:
+    return int(min(5 * 1024 ** 3, max(64 * 1024 ** 2, weight_bytes // 8)))
+
+
+def _finish_checkpoint(folder: Path, dtype: str) -> None:
+    """config.json also says torch_dtype (the key transformers 4.x, TensorRT-LLM's pin, reads), and every tensor
+    that is not FP8 or a float32 scale is in `dtype`: the config, the tensors and the bundle's options agree."""
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("dtype", dtype) != dtype:
+        raise ModelError(f"exported config.json says dtype {cfg.get('dtype')!r}, the calibration ran in {dtype}")
+    cfg["dtype"] = cfg["torch_dtype"] = dtype
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    want = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[dtype]
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, info in memory.safetensors_header(f).items():
+            if name == "__metadata__" or name.endswith(SCALE_SUFFIXES):
+                continue
+            if info["dtype"] not in (want, "F8_E4M3") and info["dtype"].startswith(("F", "BF")):
+                raise ModelError(f"exported {f.name}: {name} is {info['dtype']}, expected {want} or F8_E4M3")
+
+
+SCALE_SUFFIXES = ("_scale", "_scale_2", ".k_scale", ".v_scale")
+
+
+class _PeakMemory:
+    """Peak resident memory of this process from now on (Linux: VmHWM after resetting it through clear_refs; where
+    that is not allowed the lifetime peak is reported and marked so)."""
+
+    def __init__(self):
+        self.reset = _write("/proc/self/clear_refs", "5")
+        self.baseline = _status_kib("VmRSS")
+
+    def read(self) -> dict:
+        peak = _status_kib("VmHWM")
+        if peak is None or self.baseline is None:
+            return {}
+        return {"rss_baseline_bytes": self.baseline * 1024, "rss_peak_bytes": peak * 1024,
+                "peak_is_lifetime": not self.reset}
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _write(path: str, text: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return True
+    except OSError:
+        return False
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _bound_malloc() -> None:
+    """glibc raises its mmap threshold after large frees, after which freed activation and fake-quant buffers stay in
+    the heap: pin it at 1 MiB so that large buffers go back to the system when freed (measured: +13 % of the
+    weights at peak instead of +35 %)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)                 # M_MMAP_THRESHOLD
+
+
+def _trim() -> None:
+    import gc
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -175,7 +380,7 @@ def _logits(model, windows, progress: bool, desc: str) -> list[torch.Tensor]:
     keep = torch.float32 if total <= REF_FLOAT32_LIMIT else torch.float16
     out = []
     for w in tqdm(windows, desc=desc, unit="window", disable=not progress, file=sys.stderr):
-        out.append(model(input_ids=torch.tensor([w], device=model.device)).logits[0].float().to("cpu", keep))
+        out.append(model(input_ids=torch.tensor([w], device=input_device(model))).logits[0].float().to("cpu", keep))
     return out
 
 
@@ -188,7 +393,7 @@ def _quality(model, windows, ref: list[torch.Tensor], progress: bool) -> dict:
     for w, r in tqdm(list(zip(windows, ref)), desc="evaluate", unit="window", disable=not progress,
                      file=sys.stderr):
         ids = torch.tensor(w)
-        q = model(input_ids=ids[None].to(model.device)).logits[0].float().cpu()
+        q = model(input_ids=ids[None].to(input_device(model))).logits[0].float().cpu()
         r = r.float()
         for name, lg in (("reference", r), ("quantized", q)):
             nll[name] += torch.nn.functional.cross_entropy(lg[:-1], ids[1:], reduction="sum").item()
@@ -232,10 +437,10 @@ def _quantize_draft(mtq, target, draft_dir, draft_out: Path, windows: TextWindow
     from eaglex.models.target import ConcatCache
 
     device = target.embed_weight.device
-    head = load_draft(draft_dir, target).to(device)
-    target.set_features(head.spec.kind, head.spec.taps)
-    s = target.spec
     dtype = target.embed_weight.dtype
+    head = load_draft(draft_dir, target).to(device=device, dtype=dtype)
+    target = target.with_features(head.spec.kind, head.spec.taps)
+    s = target.spec
 
     def empty_cache(layers, kv_heads, head_dim):
         return ConcatCache([(torch.zeros(1, kv_heads, 0, head_dim, dtype=dtype, device=device),) * 2
@@ -293,6 +498,7 @@ def write_fp8_head(head, src: Path, out: Path, force: bool) -> None:
             continue
         tensors.setdefault(key, value.detach().cpu().clone().contiguous())
     cfg = json.loads((src / "config.json").read_text())
+    cfg["torch_dtype"] = str(next(head.parameters()).dtype).removeprefix("torch.")   # what the float tensors are
     qc = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded)}
     cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
     with staged(out) as tmp:
@@ -340,6 +546,14 @@ def format_report(report: dict) -> str:
              f"KL {q['kl_mean']:.2e}, logits rel. error {q['logits_rel_error']:.2e}"]
     if report.get("draft"):
         lines.append(f"  draft: {report['draft']['out']} (FP8)")
+    mem = report.get("memory") or {}
+    if report.get("placement"):
+        peak = ""
+        if mem.get("rss_peak_bytes"):
+            extra = mem["rss_peak_bytes"] - mem["rss_baseline_bytes"]
+            peak = (f"; peak RAM {extra / 1e9:.2f} GB above the start "
+                    f"({extra / max(mem['weights_bytes'], 1):.2f} x the weights)")
+        lines.append(f"  ran on {report['placement']}; checkpoint in {report.get('dtype')}{peak}")
     if "seconds" in report:
         lines.append(f"  done in {report['seconds']:.1f} s")
     return "\n".join(lines)

@@ -1,24 +1,30 @@
 """`eaglex build --backend tensorrt-llm`: a bundle that TensorRT-LLM's LLM API (PyTorch backend) serves with EAGLE-3.
 
 TensorRT-LLM runs EAGLE-3 only on its PyTorch backend (its TensorRT-engine path knows EAGLE-1/2 alone and was
-removed upstream; nvidia-stack.md §0, §1.2), so the bundle holds no compiled engine: the GPU machine builds its
-kernels at load. What the bundle fixes is everything that must be right for that load to be lossless and fast:
+removed upstream), so the bundle holds no compiled engine: the GPU machine builds its kernels at load. What the
+bundle fixes is everything that must be right for that load to be lossless and fast:
 
     BUNDLE/
       target/               the target: the HF folder (hard links), or the ModelOpt FP8 checkpoint (--quant fp8);
                             config.json also carries the pre-transformers-5 keys (rope_theta, rope_scaling,
-                            torch_dtype) so that TensorRT-LLM's older transformers reads the same RoPE
-      draft/                the EAGLE-3 head in the layout TensorRT-LLM loads: config.json (architectures
-                            LlamaForCausalLMEagle3, draft_vocab_size, eagle_config with the captured layers) and
-                            model.safetensors (fc, midlayer.*, norm, lm_head, d2t)
-      llm_api_options.yaml  LLM-API options: speculative_config (decoding_type Eagle3, max_draft_len,
+                            torch_dtype) so that TensorRT-LLM's older transformers reads the same RoPE, and says the
+                            serving dtype (a float32 target is served in bfloat16: TensorRT-LLM's kernels have no
+                            float32 path, and its loader casts the stored weights when it copies them in)
+      draft/                the EAGLE-3 head in the layout TensorRT-LLM loads, in the serving dtype: config.json
+                            (architectures LlamaForCausalLMEagle3, draft_vocab_size, eagle_config with the captured
+                            layers) and model.safetensors (fc, midlayer.*, norm, lm_head, d2t)
+      llm_api_options.yaml  LLM-API options: dtype, speculative_config (decoding_type Eagle3, max_draft_len,
                             speculative_model ./draft, eagle3_layers_to_capture, dynamic-tree settings),
-                            tensor/pipeline parallel sizes, KV cache settings. `trtllm-serve ./target --config
-                            llm_api_options.yaml` (run inside BUNDLE) or `LLM(model=..., **options)`
+                            tensor/pipeline parallel sizes, KV cache settings. `trtllm-serve ./target
+                            --extra_llm_api_options llm_api_options.yaml` (run inside BUNDLE) or
+                            `LLM(model=..., **options)`
       manifest.json         eaglex's table of contents (format eaglex-engine, backend tensorrt-llm)
 
-`validate_bundle` checks a bundle against the documented schemas below (pure Python, a JSON-schema subset) plus
-the cross-file facts a schema cannot state (shapes against configs, captured layers against the target).
+`validate_bundle` checks a bundle against the documented schemas below (pure Python, a JSON-schema subset), the
+cross-file facts a schema cannot state (shapes against configs, captured layers against the target, one dtype in the
+options, the configs, the manifest and the tensors), and TensorRT-LLM's own rules recorded in trtllm_upstream.py:
+the options' keys against the field lists of every recorded version from MIN_TRTLLM on, and an FP8 target as
+TensorRT-LLM's FP8 loader reads it.
 """
 from __future__ import annotations
 
@@ -34,15 +40,21 @@ from pathlib import Path
 
 from eaglex.models.errors import ModelError
 
-from .manifest import FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file, write_manifest
-from .staging import check_out, staged
+from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file, write_manifest
+from eaglex.fsio import check_out, staged
+
+from . import trtllm_upstream as upstream
 
 BACKEND = "tensorrt-llm"
 OPTIONS_FILE = "llm_api_options.yaml"
 TARGET, DRAFT = "target", "draft"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-MIN_TRTLLM = "1.2"       # Eagle3DecodingConfig with decoding_type Eagle3 + eagle3_layers_to_capture
+# The oldest TensorRT-LLM whose Eagle3DecodingConfig field list is recorded from upstream and accepts the bundle's
+# speculative_config (trtllm_upstream.floor; tests/test_trtllm_upstream.py keeps the two equal). 1.0-1.2 may work
+# but are unverified: no field list of theirs could be recorded.
+MIN_TRTLLM = "1.3.0rc27"
+SERVING_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -96,8 +108,9 @@ def build_trtllm_bundle(target_dir, draft_dir, out_dir, cfg: TrtllmConfig = Trtl
     _check_parallel(target_cfg, cfg)
     with staged(out) as tmp:
         quant = _write_target(target_dir, tmp / TARGET, cfg, calibrated_dir, progress)
-        draft = _write_draft(draft_dir, tmp / DRAFT, target_cfg)
-        options = llm_api_options(cfg, draft["eagle3_layers_to_capture"])
+        dtype = quant.pop("dtype")
+        draft = _write_draft(draft_dir, tmp / DRAFT, target_cfg, dtype)
+        options = llm_api_options(cfg, draft["eagle3_layers_to_capture"], dtype)
         write_options(tmp / OPTIONS_FILE, options)
         manifest = _manifest(tmp, target_dir, draft_dir, target_cfg, draft, quant, cfg, options)
         manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
@@ -132,7 +145,7 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _write_target(target_dir: Path, dst: Path, cfg: TrtllmConfig, calibrated_dir, progress: bool) -> dict:
-    """The target folder of the bundle; returns the quantization record for the manifest."""
+    """The target folder of the bundle; returns the quantization record for the manifest, with the serving dtype."""
     from eaglex.calibration.checkpoint import quant_config
 
     if cfg.quant == "fp8":
@@ -150,6 +163,13 @@ def _write_target(target_dir: Path, dst: Path, cfg: TrtllmConfig, calibrated_dir
     else:
         src = target_dir
         qc = quant_config(src)
+    src_cfg = _read_json(src / "config.json", "target")
+    stored = str(src_cfg.get("torch_dtype") or src_cfg.get("dtype") or "float32")
+    if cfg.quant == "fp8" and stored not in SERVING_DTYPES:
+        raise ModelError(f"calibrated checkpoint {src} is {stored}: TensorRT-LLM takes the model dtype from its "
+                         "config and its kernels run bfloat16 or float16; recalibrate with `eaglex calibrate "
+                         "--dtype bfloat16`")
+    dtype = stored if stored in SERVING_DTYPES else "bfloat16"
     if src != dst:
         dst.mkdir()
         for f in sorted(src.iterdir()):
@@ -159,13 +179,13 @@ def _write_target(target_dir: Path, dst: Path, cfg: TrtllmConfig, calibrated_dir
             for name in TOKENIZER_FILES:
                 if (target_dir / name).is_file() and not (dst / name).exists():
                     _link(target_dir / name, dst / name)
-    config = compat_config(_read_json(src / "config.json", "target"))
+    config = compat_config(src_cfg, dtype)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if not any(dst.glob("*.safetensors")):
         raise ModelError(f"{src} holds no *.safetensors: TensorRT-LLM loads safetensors checkpoints")
     return {"method": cfg.quant, "quant_algo": qc.get("quant_algo"), "kv_cache_quant_algo": qc.get(
         "kv_cache_quant_algo"), "calibration": str(Path(calibrated_dir).resolve()) if calibrated_dir else (
-        "calibrated at build time" if cfg.quant else None)}
+        "calibrated at build time" if cfg.quant else None), "weights_dtype": stored, "dtype": dtype}
 
 
 def _check_same_model(target_dir: Path, calibrated: Path) -> None:
@@ -177,10 +197,11 @@ def _check_same_model(target_dir: Path, calibrated: Path) -> None:
                          f"{', '.join(diff)})")
 
 
-def compat_config(cfg: dict) -> dict:
+def compat_config(cfg: dict, dtype: str | None = None) -> dict:
     """A transformers-5 config.json that transformers 4.x (TensorRT-LLM's pin) reads the same: RoPE as
     rope_theta + rope_scaling next to rope_parameters, torch_dtype next to dtype. Without this an older reader
-    ignores `rope_parameters` and silently falls back to theta 10000."""
+    ignores `rope_parameters` and silently falls back to theta 10000. `dtype`, when given, becomes both dtype keys:
+    the dtype TensorRT-LLM builds the model in (it casts stored weights of another dtype as it copies them in)."""
     out = dict(cfg)
     rp = cfg.get("rope_parameters")
     if isinstance(rp, dict) and "rope_theta" not in cfg:
@@ -190,6 +211,8 @@ def compat_config(cfg: dict) -> dict:
             out["rope_scaling"] = scaling
     if "dtype" in cfg and "torch_dtype" not in cfg:
         out["torch_dtype"] = cfg["dtype"]
+    if dtype is not None:
+        out["dtype"] = out["torch_dtype"] = dtype
     return out
 
 
@@ -212,8 +235,9 @@ def _read_state(folder: Path) -> dict:
     return state
 
 
-def _write_draft(draft_dir: Path, dst: Path, target_cfg: dict) -> dict:
-    """The head in TensorRT-LLM's EAGLE-3 layout; returns the manifest's draft section."""
+def _write_draft(draft_dir: Path, dst: Path, target_cfg: dict, dtype: str = "bfloat16") -> dict:
+    """The head in TensorRT-LLM's EAGLE-3 layout, its float tensors in the serving `dtype`; returns the manifest's
+    draft section."""
     import torch
     from safetensors.torch import save_file
 
@@ -241,6 +265,8 @@ def _write_draft(draft_dir: Path, dst: Path, target_cfg: dict) -> dict:
     if "d2t" in state:
         state["d2t"] = state["d2t"].to(torch.int64)
     weights_dtype = next((v.dtype for k, v in state.items() if k.endswith("fc.weight")), torch.float32)
+    serve = getattr(torch, dtype)
+    state = {k: (v.to(serve) if v.is_floating_point() else v) for k, v in state.items()}
     rope = compat_config({k: cfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in cfg})
     nh = cfg["num_attention_heads"]
     out_cfg = {
@@ -253,7 +279,7 @@ def _write_draft(draft_dir: Path, dst: Path, target_cfg: dict) -> dict:
                                        target_cfg.get("max_position_embeddings", 0)),
         "rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": rope.get("rope_scaling"),
         "attention_bias": False, "mlp_bias": False, "bias": bool(cfg.get("bias", False)),
-        "tie_word_embeddings": False, "torch_dtype": str(weights_dtype).removeprefix("torch."),
+        "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": capture, "use_aux_hidden_state": True,
                          "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
                          "next_layer_regular": True},
@@ -264,20 +290,22 @@ def _write_draft(draft_dir: Path, dst: Path, target_cfg: dict) -> dict:
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
     return {"path": DRAFT, "source": str(draft_dir.resolve()), "kind": "eagle3", "draft_vocab_size": Vd,
-            "has_d2t": "d2t" in state, "eagle3_layers_to_capture": capture, "dtype": out_cfg["torch_dtype"]}
+            "has_d2t": "d2t" in state, "eagle3_layers_to_capture": capture, "dtype": dtype,
+            "source_dtype": str(weights_dtype).removeprefix("torch.")}
 
 
 # ---------------------------------------------------------------------------------------------------- options
 
-def llm_api_options(cfg: TrtllmConfig, capture: list[int]) -> dict:
-    """The LLM-API options (the `--config` YAML of trtllm-serve; keyword arguments of `LLM`). Field names follow
-    TensorRT-LLM >= 1.2's llm_args.py (nvidia-stack.md §1.2)."""
+def llm_api_options(cfg: TrtllmConfig, capture: list[int], dtype: str = "bfloat16") -> dict:
+    """The LLM-API options (the --extra_llm_api_options YAML of trtllm-serve; keyword arguments of `LLM`). Every key
+    is a field of TorchLlmArgs / Eagle3DecodingConfig / KvCacheConfig in the versions recorded in trtllm_upstream.py
+    (MIN_TRTLLM on); `backend` is left out (PyTorch is the default backend, and the field is deprecated)."""
     spec = {"decoding_type": "Eagle3", "max_draft_len": cfg.max_draft_len, "speculative_model": f"./{DRAFT}",
             "eagle3_layers_to_capture": list(capture), "use_dynamic_tree": bool(cfg.dynamic_tree_top_k)}
     if cfg.dynamic_tree_top_k:
         spec["dynamic_tree_max_topK"] = cfg.dynamic_tree_top_k
         spec["max_total_draft_tokens"] = cfg.max_total_draft_tokens or cfg.dynamic_tree_top_k * cfg.max_draft_len
-    return {"backend": "pytorch", "tensor_parallel_size": cfg.tp, "pipeline_parallel_size": cfg.pp,
+    return {"dtype": dtype, "tensor_parallel_size": cfg.tp, "pipeline_parallel_size": cfg.pp,
             "speculative_config": spec,
             # Block reuse off, as in NVIDIA's EAGLE examples: reused blocks hold no captured hidden states.
             "kv_cache_config": {"enable_block_reuse": False,
@@ -286,8 +314,9 @@ def llm_api_options(cfg: TrtllmConfig, capture: list[int]) -> dict:
 
 def write_options(path: Path, options: dict) -> None:
     import yaml
-    header = ("# eaglex bundle: TensorRT-LLM LLM-API options (PyTorch backend, EAGLE-3).\n"
-              "# Serve from inside the bundle folder:  trtllm-serve ./target --config llm_api_options.yaml\n")
+    header = (f"# eaglex bundle: TensorRT-LLM LLM-API options (PyTorch backend, EAGLE-3; TensorRT-LLM >= {MIN_TRTLLM}).\n"
+              "# Serve from inside the bundle folder:  trtllm-serve ./target --extra_llm_api_options "
+              "llm_api_options.yaml\n")
     path.write_text(header + yaml.safe_dump(options, sort_keys=False, default_flow_style=None))
 
 
@@ -326,7 +355,7 @@ def _manifest(tmp: Path, target_dir: Path, draft_dir: Path, target_cfg: dict, dr
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "backend": BACKEND, "engine_id": engine_id,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "dtype": str(target_cfg.get("torch_dtype") or target_cfg.get("dtype") or "auto"),
+        "dtype": options["dtype"],
         "quant": quant,
         "target": {"path": TARGET, "source": str(target_dir.resolve()), "arch": target_cfg["architectures"][0],
                    "num_layers": target_cfg["num_hidden_layers"], "hidden_size": target_cfg["hidden_size"],
@@ -337,8 +366,8 @@ def _manifest(tmp: Path, target_dir: Path, draft_dir: Path, target_cfg: dict, dr
         "parallel": {"tensor_parallel_size": cfg.tp, "pipeline_parallel_size": cfg.pp, "gpus": cfg.tp * cfg.pp},
         "config": dataclasses.asdict(cfg),
         "options_file": OPTIONS_FILE, "llm_api_options": options,
-        "hardware": hardware_note(cfg, weights),
-        "run": {"serve": f"cd BUNDLE && trtllm-serve ./{TARGET} --backend pytorch --config {OPTIONS_FILE}",
+        "hardware": hardware_note(cfg, weights // (2 if quant.get("weights_dtype") == "float32" else 1)),
+        "run": {"serve": f"cd BUNDLE && trtllm-serve ./{TARGET} --extra_llm_api_options {OPTIONS_FILE}",
                 "eaglex": "eaglex generate --engine BUNDLE --prompt ...; eaglex check --engine BUNDLE --prompts F",
                 "requires": f"TensorRT-LLM >= {MIN_TRTLLM} (PyTorch backend), e.g. the NGC container "
                             "nvcr.io/nvidia/tensorrt-llm/release"},
@@ -348,7 +377,8 @@ def _manifest(tmp: Path, target_dir: Path, draft_dir: Path, target_cfg: dict, dr
 
 def hardware_note(cfg: TrtllmConfig, weight_bytes: int) -> dict:
     """What the bundle needs: GPUs = tp x pp; FP8 GEMMs need compute capability >= 8.9 (Ada, Hopper, Blackwell);
-    memory: the weights split over the GPUs plus room for the KV cache (free_gpu_memory_fraction of the rest)."""
+    memory: the target's weights as served (`weight_bytes`) split over the GPUs plus room for the KV cache
+    (free_gpu_memory_fraction of the rest)."""
     gpus = cfg.tp * cfg.pp
     return {"gpus": gpus, "weights_gib_per_gpu": round(weight_bytes / gpus / 1024 ** 3, 2),
             "compute_capability": ">= 8.9 (Ada, Hopper, Blackwell) for FP8" if cfg.quant == "fp8"
@@ -363,9 +393,9 @@ _INT, _STR, _BOOL, _NUM = {"type": "integer"}, {"type": "string"}, {"type": "boo
 _POS = {"type": "integer", "minimum": 1}
 
 OPTIONS_SCHEMA = {
-    "type": "object", "required": ["backend", "tensor_parallel_size", "pipeline_parallel_size", "speculative_config"],
+    "type": "object", "required": ["dtype", "tensor_parallel_size", "pipeline_parallel_size", "speculative_config"],
     "properties": {
-        "backend": {"const": "pytorch"},
+        "dtype": {"enum": list(SERVING_DTYPES)},
         "tensor_parallel_size": _POS, "pipeline_parallel_size": _POS,
         "speculative_config": {
             "type": "object", "additionalProperties": False,
@@ -392,7 +422,7 @@ DRAFT_CONFIG_SCHEMA = {
         "model_type": {"const": "llama"}, "hidden_size": _POS, "intermediate_size": _POS,
         "num_attention_heads": _POS, "num_key_value_heads": _POS, "head_dim": _POS,
         "num_hidden_layers": {"const": 1}, "vocab_size": _POS, "draft_vocab_size": _POS, "rms_norm_eps": _NUM,
-        "torch_dtype": {"enum": ["float32", "bfloat16", "float16"]}, "attention_bias": {"const": False},
+        "torch_dtype": {"enum": list(SERVING_DTYPES)}, "attention_bias": {"const": False},
         "eagle_config": {"type": "object", "required": ["eagle_aux_hidden_state_layer_ids"],
                          "properties": {"eagle_aux_hidden_state_layer_ids": {
                              "type": "array", "items": _INT, "minItems": 1}}},
@@ -405,7 +435,7 @@ TARGET_CONFIG_SCHEMA = {
                  "rope_theta", "torch_dtype"],
     "properties": {"architectures": {"type": "array", "items": _STR, "minItems": 1}, "hidden_size": _POS,
                    "num_hidden_layers": _POS, "num_attention_heads": _POS, "vocab_size": _POS,
-                   "rope_theta": _NUM, "torch_dtype": _STR,
+                   "rope_theta": _NUM, "torch_dtype": {"enum": list(SERVING_DTYPES)},
                    "quantization_config": {"type": "object", "required": ["quant_method", "quant_algo"],
                                            "properties": {"quant_method": {"const": "modelopt"},
                                                           "quant_algo": {"const": "FP8"}}}},
@@ -420,10 +450,11 @@ HF_QUANT_SCHEMA = {
 
 MANIFEST_SCHEMA = {
     "type": "object",
-    "required": ["format", "format_version", "backend", "engine_id", "quant", "target", "draft", "parallel",
+    "required": ["format", "format_version", "backend", "engine_id", "dtype", "quant", "target", "draft", "parallel",
                  "options_file", "llm_api_options", "files"],
     "properties": {
         "format": {"const": FORMAT}, "format_version": {"const": FORMAT_VERSION}, "backend": {"const": BACKEND},
+        "dtype": {"enum": list(SERVING_DTYPES)},
         "engine_id": _STR, "options_file": {"const": OPTIONS_FILE}, "llm_api_options": OPTIONS_SCHEMA,
         "quant": {"type": "object", "required": ["method"], "properties": {"method": {"enum": [None, "fp8"]}}},
         "target": {"type": "object", "required": ["path", "arch", "num_layers", "hidden_size", "vocab_size"],
@@ -548,6 +579,13 @@ def _content_problems(bundle: Path, m: dict) -> list[str]:
                      f"{dcfg['draft_vocab_size']}) does not fit the target (hidden {H}, vocab {V})")
     if tcfg["num_attention_heads"] % opts["tensor_parallel_size"] or opts["pipeline_parallel_size"] > L:
         probs.append("tensor/pipeline parallel sizes do not fit the target's heads/layers")
+    dtypes = {"options": opts["dtype"], "manifest": m["dtype"], "target/config.json": tcfg["torch_dtype"],
+              "draft/config.json": dcfg["torch_dtype"]}
+    if tcfg.get("dtype", tcfg["torch_dtype"]) != tcfg["torch_dtype"]:
+        dtypes["target/config.json dtype"] = tcfg["dtype"]
+    if len(set(dtypes.values())) > 1:
+        probs.append("dtypes disagree: " + ", ".join(f"{k} {v}" for k, v in dtypes.items()))
+    probs += upstream_problems(opts)
     quantized = m["quant"]["method"] == "fp8"
     hq = bundle / TARGET / "hf_quant_config.json"
     if quantized:
@@ -556,10 +594,41 @@ def _content_problems(bundle: Path, m: dict) -> list[str]:
         else:
             probs += [f"target/hf_quant_config.json {e}" for e in schema_errors(json.loads(hq.read_text()),
                                                                                   HF_QUANT_SCHEMA)]
+            probs += [f"target: {p}" for p in upstream.fp8_checkpoint_problems(bundle / TARGET)]
         if "quantization_config" not in tcfg:
             probs.append("target/config.json has no quantization_config for an FP8 bundle")
     probs += _draft_tensor_problems(bundle / DRAFT, dcfg, len(capture), H, V, safe_open)
+    want = upstream.SERVING_DTYPES.get(opts["dtype"])
+    draft_file = bundle / DRAFT / "model.safetensors"
+    if draft_file.is_file():
+        from eaglex.calibration.memory import safetensors_header
+        wrong = sorted(k for k, t in safetensors_header(draft_file).items()
+                       if k != "__metadata__" and t["dtype"].startswith(("F", "BF")) and t["dtype"] != want)
+        if wrong:
+            probs.append(f"draft/model.safetensors: {wrong[0]} (and {len(wrong) - 1} more) not in {opts['dtype']}")
     return probs
+
+
+def upstream_problems(options: dict, since: str = MIN_TRTLLM) -> list[str]:
+    """Keys of the options that a recorded TensorRT-LLM version from `since` on rejects (trtllm_upstream.py)."""
+    probs = []
+    for v in upstream.VERSIONS:
+        if upstream.version_key(v) >= upstream.version_key(since):
+            probs += [f"{OPTIONS_FILE} {e}" for e in upstream.check_options(options, v).errors]
+    return probs
+
+
+def installed_problems(options: dict) -> list[str]:
+    """The options against the installed TensorRT-LLM's own classes (call where TensorRT-LLM is importable, before
+    building an LLM: a rejected key then fails in one line instead of deep inside the executor); [] when it is not
+    installed."""
+    try:
+        from tensorrt_llm.llmapi import Eagle3DecodingConfig, KvCacheConfig
+        from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+    except ImportError:
+        return []
+    return upstream.installed_problems(options, {"TorchLlmArgs": TorchLlmArgs, "KvCacheConfig": KvCacheConfig,
+                                                 "Eagle3DecodingConfig": Eagle3DecodingConfig})
 
 
 def _draft_tensor_problems(folder: Path, dcfg: dict, n_capture: int, H: int, V: int, safe_open) -> list[str]:

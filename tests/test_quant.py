@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.engines.manifest import read_manifest
+from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_engine, target_parity
 from eaglex.export import quantize as q
 from eaglex.models.errors import ModelError
@@ -61,7 +61,8 @@ def calibrated(models, calib_data, tmp_path_factory):
         pytest.skip("nvidia-modelopt is not installed (pip install 'eaglex[quant]')")
     out = tmp_path_factory.mktemp("cal") / "llama-fp8"
     assert main(["calibrate", "--target", str(models["llama"]), "--out", str(out), "--data", str(calib_data),
-                 "--samples", "8", "--seq-len", "48", "--eval-samples", "4", "--kv-cache", "fp8"]) == 0
+                 "--samples", "8", "--seq-len", "48", "--eval-samples", "4", "--kv-cache", "fp8",
+                 "--dtype", "bfloat16"]) == 0
     return out, json.loads((out / "eaglex_calibration.json").read_text())
 
 
@@ -108,11 +109,14 @@ def test_calibrated_checkpoint_layout_and_scales(calibrated, models):
     assert "lm_head" in hq["exclude_modules"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "modelopt" and cfg["architectures"] == ["LlamaForCausalLM"]
+    # calibrated and exported in bfloat16: the config (both keys), the report and every unquantized tensor agree
+    assert cfg["dtype"] == cfg["torch_dtype"] == report["dtype"] == "bfloat16"
     with safe_open(str(models["llama"] / "model.safetensors"), "pt") as f:
-        orig = {k: f.get_tensor(k) for k in f.keys()}
+        orig = {k: f.get_tensor(k).to(torch.bfloat16).float() for k in f.keys()}     # the weights calibrated
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         ck = {k: f.get_tensor(k) for k in f.keys()}
-    assert ck["lm_head.weight"].dtype == torch.float32 and ck["model.embed_tokens.weight"].dtype == torch.float32
+    assert ck["lm_head.weight"].dtype == torch.bfloat16 and ck["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert {v.dtype for k, v in ck.items() if not k.endswith("_scale")} == {torch.bfloat16, torch.float8_e4m3fn}
     for layer in range(_sizes(models["llama"])[0]):
         for lin in LINEARS:
             part = "self_attn" if lin.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"

@@ -1,9 +1,10 @@
-"""TensorRT-LLM bundles: generated bundles validate against the documented schema, the validator catches broken
-ones, and `eaglex generate/check --engine BUNDLE` stops with one clear line where TensorRT-LLM is missing.
+"""TensorRT-LLM bundles: generated bundles validate against the documented schema and TensorRT-LLM's recorded rules
+(engines/trtllm_upstream.py), the validator catches broken ones, one dtype runs through options, configs, manifest
+and tensors, and `eaglex generate/check --engine BUNDLE` stops with one clear line where TensorRT-LLM is missing.
 
-Nothing here needs ModelOpt: the FP8 bundle takes a checkpoint written in ModelOpt's unified layout by the helper
-below (per-tensor amax/448 scales). The one test that runs TensorRT-LLM skips unless it is importable and a CUDA GPU
-is present.
+The FP8 bundle takes a checkpoint calibrated by real ModelOpt (`eaglex calibrate`) when nvidia-modelopt is installed,
+else one written in ModelOpt's unified layout by the helper below (per-tensor amax/448 scales, bfloat16 elsewhere).
+The one test that runs TensorRT-LLM skips unless it is importable and a CUDA GPU is present.
 """
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ from safetensors.torch import load_file, save_file
 
 from eaglex.cli import main
 from eaglex.engines import trtllm
-from eaglex.engines.manifest import MANIFEST
+from eaglex.runtime.manifest import MANIFEST
 from eaglex.models.errors import ModelError
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fp8_checkpoint(target_dir, out):
-    """The target in ModelOpt's unified FP8 layout (weights float8_e4m3fn, weight/input scales), no calibration."""
+HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
+
+
+def fp8_checkpoint(target_dir, out, dtype=torch.bfloat16):
+    """The target in ModelOpt's unified FP8 layout (weights float8_e4m3fn, weight/input scales, the rest in `dtype`),
+    no calibration."""
     out.mkdir()
     state = load_file(str(target_dir / "model.safetensors"))
     tensors = {}
@@ -38,9 +43,10 @@ def fp8_checkpoint(target_dir, out):
             tensors[m + ".weight_scale"] = scale.float()
             tensors[m + ".input_scale"] = torch.tensor(10 / 448)
         else:
-            tensors[k] = v
+            tensors[k] = v.to(dtype)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((target_dir / "config.json").read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg))
     (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "test"}, "quantization": {
@@ -48,11 +54,22 @@ def fp8_checkpoint(target_dir, out):
     return out
 
 
+def calibrated_checkpoint(target_dir, out, prompts, **cfg):
+    """`eaglex calibrate` (real ModelOpt, bfloat16 unless asked) of a fixture target on its own token ids."""
+    from eaglex.calibration.fp8 import CalibrateConfig, calibrate
+    data = out.with_name(out.name + ".jsonl")
+    data.write_text("".join(json.dumps({"input_ids": p * 4}) + "\n" for p in prompts if len(p) > 4))
+    calibrate(target_dir, out, CalibrateConfig(data=str(data), samples=6, seq_len=32, eval_samples=2,
+                                               **{"kv_cache": "fp8", **cfg}), progress=False)
+    return out
+
+
 @pytest.fixture(scope="module")
-def bundles(models, tmp_path_factory):
+def bundles(models, prompts, tmp_path_factory):
     root = tmp_path_factory.mktemp("bundles")
     plain = trtllm.build_trtllm_bundle(models["llama"], models["llama/eagle3"], root / "plain", progress=False)
-    ckpt = fp8_checkpoint(models["llama"], root / "llama-fp8")
+    ckpt = (calibrated_checkpoint(models["llama"], root / "llama-fp8", prompts) if HAVE_MODELOPT
+            else fp8_checkpoint(models["llama"], root / "llama-fp8"))
     cfg = trtllm.TrtllmConfig(quant="fp8", tp=2, max_draft_len=4, dynamic_tree_top_k=4, max_total_draft_tokens=10)
     fp8 = trtllm.build_trtllm_bundle(models["llama"], models["llama/eagle3"], root / "fp8", cfg, ckpt,
                                      progress=False)
@@ -72,6 +89,9 @@ def test_plain_bundle_layout(bundles, models):
     assert trtllm.is_bundle(b) and m["backend"] == "tensorrt-llm" and m["quant"]["method"] is None
     opts = yaml.safe_load((b / "llm_api_options.yaml").read_text())
     assert opts == m["llm_api_options"]
+    # the float32 fixture is served in bfloat16 (TensorRT-LLM's kernels have no float32 path): one dtype everywhere
+    assert opts["dtype"] == m["dtype"] == "bfloat16" and m["quant"]["weights_dtype"] == "float32"
+    assert "backend" not in opts                 # deprecated field; PyTorch is TensorRT-LLM's default backend
     spec = opts["speculative_config"]
     assert spec == {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "./draft",
                     "eagle3_layers_to_capture": capture, "use_dynamic_tree": False}
@@ -80,17 +100,19 @@ def test_plain_bundle_layout(bundles, models):
     # EAGLE-3 reads the inputs of layers {2, L//2, L-3}: the outputs TensorRT-LLM captures, one layer lower
     dcfg = json.loads((b / "draft" / "config.json").read_text())
     assert dcfg["architectures"] == ["LlamaForCausalLMEagle3"] and dcfg["draft_vocab_size"] == 40
+    assert dcfg["torch_dtype"] == "bfloat16"
     assert dcfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == capture
     with safe_open(str(b / "draft" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("d2t").dtype == torch.int64
+        assert {f.get_slice(k).get_dtype() for k in keys if k != "d2t"} == {"BF16"}
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
             "lm_head.weight", "d2t"} <= keys and not any(k.startswith("layers.") for k in keys)
     tcfg = json.loads((b / "target" / "config.json").read_text())
     src = json.loads((models["llama"] / "config.json").read_text())
     # the pre-transformers-5 RoPE keys TensorRT-LLM's transformers reads, equal to the new-style ones
     assert tcfg["rope_theta"] == src["rope_parameters"]["rope_theta"] == 500000.0
-    assert tcfg["rope_scaling"]["rope_type"] == "llama3" and tcfg["torch_dtype"] == "float32"
+    assert tcfg["rope_scaling"]["rope_type"] == "llama3" and tcfg["torch_dtype"] == tcfg["dtype"] == "bfloat16"
     assert (b / "target" / "model.safetensors").read_bytes() == (models["llama"] / "model.safetensors").read_bytes()
 
 
@@ -99,8 +121,13 @@ def test_fp8_bundle_layout(bundles):
     assert trtllm.bundle_problems(b) == []
     assert m["quant"]["method"] == "fp8" and m["quant"]["quant_algo"] == "FP8"
     assert (b / "target" / "hf_quant_config.json").is_file()
-    with safe_open(str(b / "target" / "model.safetensors"), "pt") as f:
-        assert f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "F8_E4M3"
+    tcfg = json.loads((b / "target" / "config.json").read_text())
+    assert m["dtype"] == m["llm_api_options"]["dtype"] == tcfg["torch_dtype"] == "bfloat16"
+    for f in sorted((b / "target").glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            dtypes = {k: st.get_slice(k).get_dtype() for k in st.keys()}
+        assert dtypes.get("model.layers.0.self_attn.q_proj.weight", "F8_E4M3") == "F8_E4M3"
+        assert {d for k, d in dtypes.items() if not k.endswith("_scale")} <= {"F8_E4M3", "BF16"}
     spec = m["llm_api_options"]["speculative_config"]
     assert spec["use_dynamic_tree"] and spec["dynamic_tree_max_topK"] == 4 and spec["max_total_draft_tokens"] == 10
     assert m["llm_api_options"]["tensor_parallel_size"] == 2 and m["hardware"]["gpus"] == 2
@@ -155,6 +182,21 @@ def test_validator_catches_broken_bundles(bundles, models, tmp_path):
     (b / "target" / "hf_quant_config.json").unlink()
     assert any("hf_quant_config.json is missing" in p for p in trtllm.bundle_problems(b))
 
+    # one dtype everywhere: a draft config saying float16 while the options say bfloat16 is caught
+    b = _copy(bundles, tmp_path / "7")
+    cfg = json.loads((b / "draft" / "config.json").read_text())
+    cfg["torch_dtype"] = "float16"
+    (b / "draft" / "config.json").write_text(json.dumps(cfg))
+    assert any(p.startswith("dtypes disagree:") for p in trtllm.bundle_problems(b))
+
+    # a key no recorded TensorRT-LLM version from the floor on takes (eagle3_one_model is gone from 1.3) is rejected
+    # by upstream's rules as well as by the bundle schema
+    opts = json.loads(json.dumps(bundles["plain"][1]["llm_api_options"]))
+    opts["speculative_config"]["eagle3_one_model"] = True
+    assert trtllm.upstream_problems(bundles["plain"][1]["llm_api_options"]) == []
+    assert "eagle3_one_model: not a field of Eagle3DecodingConfig in TensorRT-LLM 1.3.0rc27" in \
+        "\n".join(trtllm.upstream_problems(opts))
+
 
 def test_schema_subset():
     s = {"type": "object", "required": ["a"], "additionalProperties": False,
@@ -182,13 +224,19 @@ def test_bundle_errors(models, tmp_path):
     with pytest.raises(ModelError, match="is not of target"):
         trtllm.build_trtllm_bundle(models["llama"], models["llama/eagle3"], tmp_path / "a",
                                    trtllm.TrtllmConfig(quant="fp8"), fp8_checkpoint(models["qwen2"], tmp_path / "q"))
+    # a float32 FP8 checkpoint (what calibrating without a dtype used to write) is refused in one line
+    with pytest.raises(ModelError, match=r"is float32: TensorRT-LLM takes the model dtype from its config .* "
+                                         r"--dtype bfloat16"):
+        trtllm.build_trtllm_bundle(models["llama"], models["llama/eagle3"], tmp_path / "a",
+                                   trtllm.TrtllmConfig(quant="fp8"),
+                                   fp8_checkpoint(models["llama"], tmp_path / "f32", torch.float32))
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.*"))
 
 
 def test_cli_build_and_run_without_trtllm(models, bundles, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["build", "--backend", "tensorrt-llm", "--target", str(models["llama"]), "--draft",
-                 str(models["llama/eagle3"]), "--out", str(out), "--max-draft-len", "5"]) == 0
+                 str(models["llama/eagle3"]), "--out", str(out), "--tree", "chain:5"]) == 0
     assert "TensorRT-LLM bundle" in capsys.readouterr().out
     assert trtllm.validate_bundle(out)["llm_api_options"]["speculative_config"]["max_draft_len"] == 5
     if importlib.util.find_spec("tensorrt_llm") is not None:
@@ -205,7 +253,7 @@ def test_cli_build_and_run_without_trtllm(models, bundles, tmp_path, capsys):
 
 def _gpu_trtllm() -> str | None:
     if importlib.util.find_spec("tensorrt_llm") is None:
-        return "TensorRT-LLM is not installed (GPU machines only; nvidia-stack.md §3)"
+        return "TensorRT-LLM is not installed (GPU machines only)"
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     return None
