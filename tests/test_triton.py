@@ -220,7 +220,9 @@ def server(checkpoint, tmp_path_factory):
     try:
         yield srv
     finally:
-        stop_served(srv)
+        st = stop_served(srv)
+        print(f"\n[triton] 2 instances: ready in {srv.startup_seconds:.1f} s, stopped in {st['stop_seconds']:.1f} s",
+              file=sys.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -221,7 +221,9 @@ def test_cancelled_requests_count_their_tokens(served):
             got += chunk
         for line in got.decode().splitlines():
             if line.startswith("data:"):
-                received += len(ids_of(json.loads(line[5:]).get("output_ids")))
+                event = json.loads(line[5:])
+                assert "finish_reason" not in event, f"the request ended before the client hung up: {event}"
+                received += len(ids_of(event.get("output_ids")))
     after = wait_for(lambda: (m := metrics(served)).get(key, 0) > before.get(key, 0) and m, 30)
     assert after, "the cancelled request was not counted"
     tokens = 'eaglex_output_tokens_total{model="eaglex"}'
@@ -272,6 +274,22 @@ def test_killed_server_is_restarted(served):
     print(f"\n[triton] tritonserver killed: served again after {seconds:.1f} s", file=sys.stderr)
 
 
+@pytest.mark.slow
+def test_upstream_crash_on_nested_json_still_exists_and_is_survived(served):
+    """The reproduction in docs/triton.md, sent to tritonserver's own (internal) HTTP port, which has no front:
+    tritonserver 2.51 dies of SIGSEGV; the supervisor restarts it and removes its shared memory."""
+    old, shm = served.server_pid, served.state()["shm"]
+    nested = b'{"text_input": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    t0 = time.monotonic()
+    status, _ = http(served, "POST", "/v2/models/eaglex/generate", nested, url=served.internal_url)
+    assert status == 0                                   # no answer: the connection died with the server
+    assert wait_for(lambda: any("killed by SIGSEGV" in e["event"] for e in served.state()["events"]), 10)
+    assert wait_for(lambda: generate_ok(served), RECOVERY_S, 0.2) == served.expected["hello world"]
+    print(f"\n[triton] nested JSON on the internal port: SIGSEGV, served again after {time.monotonic() - t0:.1f} s",
+          file=sys.stderr)
+    assert served.server_pid != old and not [n for n in shm if Path(f"/dev/shm/{n}").exists()]
+
+
 def test_status_and_a_quick_stop_that_says_what_happened(served):
     out = subprocess.run([sys.executable, str(TOOL), "status", "--pid-file", str(served.pid_file)],
                          capture_output=True, text=True, timeout=30)
@@ -288,3 +306,35 @@ def test_status_and_a_quick_stop_that_says_what_happened(served):
     assert not [n for n in shm if Path(f"/dev/shm/{n}").exists()]
     assert not served.pid_file.exists()
     print(f"\n[triton] stop: {out.stdout.strip()} ({seconds:.1f} s)", file=sys.stderr)
+
+
+@pytest.mark.slow
+def test_a_stub_that_died_under_a_request_is_replaced_and_the_stop_stays_quick(checkpoint, tmp_path):  # noqa: F811
+    """The worst case of a dead stub: a request reached it before the supervisor noticed (here: the supervisor is
+    paused meanwhile). Triton 2.51 then never finishes unloading that instance, and on SIGTERM it would wait its
+    whole exit timeout; the supervisor reloads the model anyway, notices the stuck instance, and stops quickly."""
+    write_repository(checkpoint, tmp_path / "repo", "eaglex", instances=1, threads=1)
+    srv = triton_server.start(tmp_path / "repo", tmp_path / "server.pid", tmp_path, http_port=0, grpc_port=0,
+                              metrics_port=0, exit_timeout=30, timeout=150)
+    try:
+        expected = generate_ok(srv)
+        stub_pid, = triton_server.stubs(srv.server_pid)
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            os.kill(stub_pid, signal.SIGKILL)
+            status, out = http(srv, "POST", "/v2/models/eaglex/generate", b'{"text_input": "hi"}',
+                               url=srv.internal_url)
+            assert status == 400 and "is not healthy" in out["error"]        # Triton's own answer
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        assert wait_for(lambda: generate_ok(srv), RECOVERY_S, 0.2) == expected
+        assert wait_for(lambda: any("did not finish unloading" in e["event"] for e in srv.state()["events"]), 30)
+        shm = srv.state()["shm"]
+        t0 = time.monotonic()
+        st = srv.stop()
+        assert time.monotonic() - t0 < 12, st["stopped"]           # not Triton's 30 s exit timeout
+        assert not [n for n in shm if Path(f"/dev/shm/{n}").exists()]
+        assert not triton_server.group_pids(st["stopped"]["server_pid"])
+    finally:
+        if triton_server.running(tmp_path / "server.pid") is not None:
+            srv.stop()

@@ -354,6 +354,8 @@ class Front:
         method, target, version = parts
         if version not in ("HTTP/1.1", "HTTP/1.0"):
             raise HttpError(505, f"{version} is not supported")
+        if not target.startswith("/"):                  # absolute-form or '*': not for an origin server
+            raise HttpError(400, "the request target must be a path")
         headers, size = [], len(line)
         deadline = time.monotonic() + self.head_timeout
         while True:
@@ -516,8 +518,7 @@ class Front:
                 return keep
 
             if no_body:
-                self._write_head(writer, status, headers, keep, None if length is None else int(length),
-                                 keep_length=True)
+                self._write_head(writer, status, headers, keep, None if length is None else int(length))
                 await writer.drain()
                 return keep
             if length is not None and length.isdigit():
@@ -549,7 +550,7 @@ class Front:
             up_writer.close()
 
     @staticmethod
-    def _write_head(writer, status, headers, keep, length, chunked=False, keep_length=False) -> None:
+    def _write_head(writer, status, headers, keep, length, chunked=False) -> None:
         lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}"]
         lines += [f"{k}: {v}" for k, v in headers if k.lower() not in HOP_BY_HOP]
         if length is not None:
@@ -586,8 +587,9 @@ class Front:
             if size == 0:
                 while (await up_reader.readline()) not in (b"\r\n", b"\n", b""):
                     pass
-                return bytes(data[:limit])
-            data += (await self._race(up_reader.readexactly(size + 2), watcher))[:-2]
+                return bytes(data)
+            chunk = (await self._race(up_reader.readexactly(size + 2), watcher))[:-2]
+            data += chunk[:max(0, limit - len(data))]
 
     async def _relay_exact(self, up_reader, writer, n: int | None, watcher) -> None:
         left = n

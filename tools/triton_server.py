@@ -321,8 +321,6 @@ class Supervisor:
         self.wake: asyncio.Event | None = None
         self.stop_event: asyncio.Event | None = None
         self.front: Front | None = None
-        self.started_at = time.time()
-        self.ready_since: float | None = None
 
     # --- what the front asks ------------------------------------------------------------------------------------
     def upstream(self):
@@ -343,9 +341,9 @@ class Supervisor:
         return True, True, ""
 
     def model_ready(self, name: str) -> tuple[bool | None, str]:
-        live, _, reason = self.health()
-        if not live and (self.state != "ready" or self.proc is None or self.proc.poll() is not None):
-            return (False, reason) if name in self.models or not self.models else (None, "")
+        """(ready, reason) of one model; ready None for a model the supervisor does not know (Triton answers)."""
+        if self.state != "ready" or self.proc is None or self.proc.poll() is not None:
+            return (False, self.health()[2]) if name in self.models or not self.models else (None, "")
         info = self.models.get(name)
         if info is None:
             return None, ""
@@ -430,8 +428,9 @@ class Supervisor:
             await asyncio.sleep(0.25)
         return f"tritonserver was not ready after {self.ready_timeout:.0f} s"
 
-    async def _discover(self) -> None:
-        """The models Triton serves (and their input types) and the stub processes serving them."""
+    async def _discover(self, exclude: set[int] = frozenset()) -> None:
+        """The models Triton serves (and their input types) and the stub processes serving them (but `exclude`:
+        the old instances of a reloaded model, which exit on their own)."""
         status, data = await self._call("POST", "/v2/repository/index", body=b"{}")
         index = json.loads(data) if status == 200 else []
         models = {}
@@ -444,7 +443,7 @@ class Supervisor:
             inputs = {i["name"]: i.get("data_type", "") for i in cfg.get("input", [])}
             models[name] = {"ready": True, "reason": "", "inputs": inputs}
         self.models = models
-        self.tracked = stubs(self.proc.pid)
+        self.tracked = {p: s for p, s in stubs(self.proc.pid).items() if p not in exclude}
         self._record_shm()
 
     def _record_shm(self) -> None:
@@ -466,7 +465,6 @@ class Supervisor:
             if why is None:
                 await self._discover()
                 self.set_state("ready")
-                self.ready_since = time.time()
                 self.event(f"tritonserver pid {self.proc.pid} ready in {time.monotonic() - t0:.1f} s, models "
                            f"{sorted(self.models) or 'none'}")
                 return True
@@ -522,6 +520,7 @@ class Supervisor:
         self.models.setdefault(model, {"inputs": None})
         self.models[model].update(ready=False, reason=f"reloading ({reason})")
         self.event(f"model {model}: {reason}; reloading it")
+        old = {p for p, s in stubs(self.proc.pid).items() if s["model"] == model}
         for action, timeout in (("unload", 10.0), ("load", self.ready_timeout)):
             status, data = await self._call("POST", f"/v2/repository/models/{model}/{action}", timeout, b"{}")
             if self.proc.poll() is not None:
@@ -529,22 +528,38 @@ class Supervisor:
             if status != 200:
                 return await self._restart(f"could not {action} model {model}: "
                                            f"{data.decode(errors='replace')[:300] or 'no answer'}")
-        await self._discover()
+        await self._discover(exclude=old)
         self.unhealthy.pop(model, None)         # reports about the old instances
         self.event(f"model {model} reloaded in {time.monotonic() - t0:.1f} s")
-        asyncio.ensure_future(self._watch_unload(model, self.proc.pid, dead_shm))
+        asyncio.ensure_future(self._watch_unload(model, self.proc.pid, dead_shm, old))
 
-    async def _watch_unload(self, model: str, server_pid: int, dead_shm: set[str]) -> None:
-        """Triton 2.51 never finishes unloading an instance whose stub died after requests had reached it: its
-        shared memory stays, and tritonserver would wait its whole exit timeout at stop. Note it (the stop is then
-        quick, and the leftovers are removed afterwards)."""
+    async def _watch_unload(self, model: str, server_pid: int, dead_shm: set[str], old: set[int]) -> None:
+        """Triton 2.51 never finishes unloading a model version with an instance whose stub died after a request had
+        reached it: that stub's shared memory stays, the version's other stubs (with their copy of the model) stay,
+        and tritonserver would wait its whole exit timeout at stop. Note it (the stop is then quick, and the
+        leftovers are removed afterwards), and end those other stubs once they are idle to free their memory."""
+        def same_server() -> bool:
+            return self.proc is not None and self.proc.pid == server_pid and self.proc.poll() is None
+
         await asyncio.sleep(self.UNLOAD_WAIT)
-        if self.proc is not None and self.proc.pid == server_pid and self.proc.poll() is None:
-            left = [n for n in dead_shm if Path(f"/dev/shm/{n}").exists()]
-            if left:
-                self.stuck.add(model)
-                self.event(f"model {model}: the old instance did not finish unloading (requests had reached its dead "
-                           "backend process); tritonserver keeps its resources until it stops")
+        if not same_server() or not [n for n in dead_shm if Path(f"/dev/shm/{n}").exists()]:
+            return
+        self.stuck.add(model)
+        self.event(f"model {model}: the old version did not finish unloading (a request had reached its dead "
+                   "backend process); tritonserver keeps its shared memory until it stops")
+        cpu: dict[int, int] = {}
+        while same_server() and not self.stopping:
+            left = {p for p in old if alive(p) and Path(cmdline(p)[0] if cmdline(p) else "").name == STUB}
+            if not left:
+                return
+            for pid in left:
+                fields = _stat(pid)
+                used = int(fields[11]) + int(fields[12]) if fields else -1      # utime + stime, clock ticks
+                if cpu.get(pid) == used:                                       # idle for the last 2 s
+                    os.kill(pid, signal.SIGKILL)
+                    self.event(f"model {model}: ended idle stub pid {pid} of the old version to free its memory")
+                cpu[pid] = used
+            await asyncio.sleep(2.0)
 
     async def _probe(self) -> None:
         """Count consecutive failures of tritonserver's liveness endpoint (a hung server)."""
@@ -600,6 +615,7 @@ class Supervisor:
         except OSError as e:
             self.set_state("failed", f"cannot listen on {HOST}:{self.http_port}: {e}")
             self.log(self.detail)
+            key_file.unlink(missing_ok=True)
             return 1
         self.http_port = self.front.port
         if self.pid_file is not None:
@@ -637,7 +653,7 @@ class Supervisor:
         self.wake.set()
 
     async def _shutdown(self, code: int) -> None:
-        t0 = time.monotonic()
+        t0, detail = time.monotonic(), self.detail
         healthy = self.state == "ready" and self.health()[1] and not self.stuck
         self.set_state("stopping", "stopping")
         if self.front is not None and self.front.server is not None:
@@ -646,11 +662,15 @@ class Supervisor:
         # answer) waiting for Triton's exit timeout would only make the stop slow
         grace = float(self.exit_timeout) + 2.0 if healthy else 3.0
         result = await self._stop_server(grace)
+        if self.stuck and result.get("how", "").startswith("killed"):
+            result["how"] = (f"was killed after {grace:.0f} s, as planned: an old instance of "
+                             f"{', '.join(sorted(self.stuck))} could not be unloaded, so Triton would have waited its "
+                             "whole exit timeout")
         if self.front is not None:
             await self.front.close(drain=0.5)
         result.update(seconds=round(time.monotonic() - t0, 2), restarts=self.restarts, reloads=self.reloads,
                       exit_code=code)
-        self.set_state("stopped" if code == 0 else "failed", self.detail if code else "stopped")
+        self.set_state("stopped" if code == 0 else "failed", detail if code else "stopped")
         self.save(stopped=result)
         (self.workdir / "admin-key").unlink(missing_ok=True)
         if self.pid_file is not None:
