@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eaglex.models.errors import ModelError
+from eaglex.models.target import causal_mask
 
 from eaglex.runtime.manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
 
@@ -167,8 +168,7 @@ def target_parity(float_dir: Path, quant_dir: Path, m: dict, seed: int = 0) -> d
 
     def feeds(tokens, past, P):
         N = tokens.shape[1]
-        mask = np.ones((1, 1, N, P + N), dtype=bool)
-        mask[..., P:] = np.tril(np.ones((N, N), dtype=bool))
+        mask = causal_mask(N, P).numpy()
         f = {"input_ids": tokens, "position_ids": np.arange(P, P + N, dtype=np.int64)[None], "attn_mask": mask,
              "logits_rows": np.arange(N, dtype=np.int64)}
         for i in range(L):

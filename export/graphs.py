@@ -33,7 +33,7 @@ from torch import nn
 from torch.export import Dim
 
 from eaglex.models.eagle import DraftHead
-from eaglex.models.target import ConcatCache, Target
+from eaglex.models.target import ConcatCache, Target, causal_mask
 
 # Example sizes: never 0 or 1, so that the exporter keeps every axis symbolic (onnx.md §3).
 EXAMPLE_B, EXAMPLE_N, EXAMPLE_P = 2, 7, 13
@@ -59,9 +59,7 @@ def past_names(layers: int, kind: str = "past") -> list[str]:
 
 
 def _mask_and_rows(B: int, N: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = torch.ones(B, 1, N, P + N, dtype=torch.bool)
-    mask[..., P:] = torch.ones(N, N, dtype=torch.bool).tril()
-    return mask, torch.arange(N)
+    return causal_mask(N, P, B), torch.arange(N)
 
 
 SEQ_AXES = {0: BATCH, 1: SEQ}

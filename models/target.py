@@ -55,6 +55,14 @@ class ConcatCache:
         return self.present[layer]
 
 
+def causal_mask(n: int, past: int = 0, batch: int = 1, device=None) -> torch.Tensor:
+    """[batch, 1, n, past + n] bool attention mask (True = attend): every one of `past` cached rows, then causal
+    over the `n` new rows. The one place masks are built; tree masks replace the last n columns (runtime)."""
+    mask = torch.ones(batch, 1, n, past + n, dtype=torch.bool, device=device)
+    mask[..., past:] = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+    return mask
+
+
 def eagle3_taps(num_layers: int, aux_layer_ids: list[int] | None = None) -> tuple[int, ...]:
     """Decoder layers whose *input* (HF hidden_states index) EAGLE-3 reads, low -> mid -> high.
 

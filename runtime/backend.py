@@ -1,4 +1,5 @@
-"""The one interface every execution backend implements (torch now; ONNX Runtime and TensorRT-LLM next).
+"""The one interface every execution backend implements (PyTorch: torch_backend.py; ONNX Runtime: ort_backend.py),
+and the one KV-cache protocol behind it.
 
 A backend owns the target, the optional draft head and one KV cache for each. Forwards append rows after the
 committed ones without committing them; the loop commits the rows the verifier accepted. Masks passed in cover only
@@ -11,7 +12,43 @@ from typing import Protocol
 
 import torch
 
-from eaglex.models.target import TargetSpec
+from eaglex.models.target import TargetSpec, causal_mask
+
+
+class KVCache(Protocol):
+    """A decode loop's cache (torch: kv_cache.TorchKVCache; ORT: ort_cache.OrtKVCache). A forward appends its rows
+    as pending; commit(keep) makes the kept pending rows (indices, in order) the next committed rows, rollback()
+    drops every pending row."""
+    length: int     # committed rows
+    pending: int    # rows appended since the last commit / rollback
+
+    def reset(self, capacity: int) -> None:
+        """Empty, with room for `capacity` rows."""
+
+    def commit(self, keep: torch.Tensor) -> None: ...
+
+    def rollback(self) -> None: ...
+
+
+class CachedBackend:
+    """The cache half of the Backend protocol, shared by the backends: `tcache` (target) and `dcache` (draft, None
+    without a head) implement KVCache."""
+    tcache: KVCache
+    dcache: KVCache | None
+
+    def reset(self, capacity: int) -> None:
+        self.tcache.reset(capacity)
+        if self.dcache is not None:
+            self.dcache.reset(capacity)
+
+    def target_commit(self, keep: torch.Tensor) -> None:
+        self.tcache.commit(keep)
+
+    def draft_commit(self, keep: torch.Tensor) -> None:
+        self.dcache.commit(keep)
+
+    def draft_rollback(self) -> None:
+        self.dcache.rollback()
 
 
 class Backend(Protocol):
@@ -43,7 +80,6 @@ class Backend(Protocol):
 def full_mask(mask: torch.Tensor | None, batch: int, n: int, committed: int, pending: int) -> torch.Tensor:
     """[B,1,N,committed+pending+N] bool attention mask from a mask over the uncommitted rows (None = causal)."""
     if mask is None:
-        new = torch.ones(n, n, dtype=torch.bool).tril_()
-        mask = torch.cat([torch.ones(n, pending, dtype=torch.bool), new], 1).expand(batch, n, pending + n)
+        return causal_mask(n, committed + pending, batch)
     past = torch.ones(batch, n, committed, dtype=torch.bool)
     return torch.cat([past, mask], -1).unsqueeze(1)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import torch
 
 
-class KVCache:
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
+class TorchKVCache:
+    """Implements runtime.backend.KVCache (and models.target.LayerCache for the forward)."""
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.shape = (num_layers, batch, num_kv_heads, 0, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k = self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.capacity = 0
         self.length = 0    # committed rows
         self.pending = 0   # rows written by forwards since the last commit/rollback
 
@@ -45,5 +47,18 @@ class KVCache:
     def rollback(self) -> None:
         self.pending = 0
 
-    def reset(self) -> None:
+    def reset(self, capacity: int) -> None:
+        if capacity > self.capacity:         # grow only: the buffers are reused by every later generation
+            shape = self.shape[:3] + (capacity,) + self.shape[4:]
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.capacity = capacity
         self.length = self.pending = 0
+
+
+def new_cache(num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+              dtype: torch.dtype) -> TorchKVCache:
+    """An empty TorchKVCache with room for `capacity` rows."""
+    cache = TorchKVCache(num_layers, batch, num_kv_heads, head_dim, dtype)
+    cache.reset(capacity)
+    return cache

@@ -19,6 +19,7 @@ import torch
 from eaglex.models.errors import ModelError
 
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
+from .backend import CachedBackend
 from .ort_cache import NP_DTYPES, OrtKVCache
 from .ort_session import open_session, use_global_pool
 
@@ -31,7 +32,7 @@ def _torch(v: ort.OrtValue) -> torch.Tensor:
     return torch.from_numpy(v.numpy())              # zero copy; the array keeps the OrtValue alive
 
 
-class OrtBackend:
+class OrtBackend(CachedBackend):
     def __init__(self, engine_dir: str | Path, draft_kind: str | None = None, threads: int | None = None,
                  hash_limit: int = HASH_LIMIT):
         """`draft_kind`, if given, must match the engine's head; `threads` defaults to the physical cores."""
@@ -97,11 +98,6 @@ class OrtBackend:
 
     # ------------------------------------------------------------------------------------------ Backend protocol
 
-    def reset(self, capacity: int) -> None:
-        self.tcache.reset(capacity)
-        if self.dcache is not None:
-            self.dcache.reset(capacity)
-
     def _common(self, io, cache: OrtKVCache, input_ids, position_ids, mask, last_only, keep: list):
         """Binds ids, positions, the full mask, logits rows and the past; `keep` holds the numpy buffers alive."""
         B, N = input_ids.shape
@@ -134,9 +130,6 @@ class OrtBackend:
         self.tcache.appended(presents, N)
         return logits, feats
 
-    def target_commit(self, keep):
-        self.tcache.commit(keep)
-
     def draft_forward(self, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
         if self.draft_sess is None:
             raise RuntimeError("this engine has no draft head")
@@ -161,9 +154,3 @@ class OrtBackend:
         h, logp, ids, pk, pv = io.get_outputs()
         self.dcache.appended([pk, pv], N)
         return _torch(h), _torch(logp), _torch(ids)
-
-    def draft_commit(self, keep):
-        self.dcache.commit(keep)
-
-    def draft_rollback(self):
-        self.dcache.rollback()

@@ -20,6 +20,8 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
+from eaglex.models.target import causal_mask
+
 from .ort_session import session_options
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -79,7 +81,7 @@ class OrtKVCache:
         out[:, 0, :, :rows] = self.valid
         if mask is None:
             out[:, 0, :, rows:rows + p] = True
-            out[:, 0, :, rows + p:] = np.tri(n, dtype=bool)
+            out[:, 0, :, rows + p:] = causal_mask(n)[0, 0].numpy()
         else:
             out[:, 0, :, rows:] = mask.numpy() if hasattr(mask, "numpy") else mask
         return out

@@ -14,7 +14,7 @@ from eaglex.models.eagle import load_draft
 from eaglex.models.errors import ModelError
 from eaglex.models.target import load_target
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
-from eaglex.runtime.kv_cache import KVCache
+from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.backend import full_mask
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
@@ -25,7 +25,7 @@ def _draft_rows(head, hidden, ids, project):
     """Run the loaded head over T rows causally (positions 0..T-1) with a fresh cache."""
     T = ids.shape[0]
     s = head.spec
-    cache = KVCache(1, 1, s.num_kv_heads, s.head_dim, T, torch.float32)
+    cache = new_cache(1, 1, s.num_kv_heads, s.head_dim, T, torch.float32)
     return head(hidden[None], ids[None], torch.arange(T)[None], full_mask(None, 1, T, 0, 0), cache, project)[0]
 
 

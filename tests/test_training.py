@@ -14,7 +14,7 @@ import torch
 from eaglex.models.eagle import load_draft
 from eaglex.models.target import eagle3_taps, load_target
 from eaglex.runtime.backend import full_mask
-from eaglex.runtime.kv_cache import KVCache
+from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.types import TreeConfig
 from eaglex.training import corpus, data, tokenizer
 from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
@@ -82,7 +82,7 @@ def test_ttt_step_s_equals_the_inference_chain(llama):
             outs.append(h)
         d = head.spec
         for t in range(n):
-            cache = KVCache(1, 1, d.num_kv_heads, d.head_dim, 32, torch.float32)
+            cache = new_cache(1, 1, d.num_kv_heads, d.head_dim, 32, torch.float32)
             x = head(feats[:, :t + 1], tokens[:, 1:t + 2], torch.arange(t + 1)[None], full_mask(None, 1, t + 1, 0, 0),
                      cache, True)
             cache.commit(torch.arange(t + 1))
@@ -126,8 +126,8 @@ def test_saved_head_loads_through_the_official_loader(llama, tmp_path, kind):
     args = (hidden, ids, torch.arange(n)[None], full_mask(None, 1, n, 0, 0))
     d = head.spec
     with torch.no_grad():
-        want = head(*args, KVCache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
-        got = loaded(*args, KVCache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+        want = head(*args, new_cache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+        got = loaded(*args, new_cache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if kind == "eagle3":
         assert torch.equal(loaded.d2t, d2t)

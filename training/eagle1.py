@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from eaglex.models.eagle import DraftHead
-from eaglex.models.target import Target
+from eaglex.models.target import Target, causal_mask
 
-from .heads import Teacher, causal_cache, causal_mask, new_head, save_head
+from .heads import Teacher, causal_cache, new_head, save_head
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -78,7 +78,7 @@ def eagle1_loss(head: DraftHead, logits: torch.Tensor, feats: torch.Tensor, toke
     x = x + (torch.rand(x.shape, generator=gen) - 0.5) * cfg.noise * 512 / n
     d = head.spec
     cache = causal_cache((1, d.num_kv_heads, d.head_dim), B, torch.float32)
-    pred = head(x, tokens[:, 1:], torch.arange(n).expand(B, n), causal_mask(B, n), cache, project=True)
+    pred = head(x, tokens[:, 1:], torch.arange(n).expand(B, n), causal_mask(n, 0, B), cache, project=True)
     m = loss_mask[:, 1:].float()                                         # [B,n]: the position of f_{t+1}
     denom = m.sum() + 1e-5
     target_f = feats[:, 1:].float()

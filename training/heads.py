@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from eaglex.models.eagle import DraftHead, DraftSpec
-from eaglex.models.target import ConcatCache, Target, eagle3_taps
+from eaglex.models.target import ConcatCache, Target, causal_mask, eagle3_taps
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
 
@@ -42,11 +42,6 @@ def causal_cache(target_or_head_kv: tuple[int, int, int], batch: int, dtype: tor
     return ConcatCache([(empty, empty)] * layers)
 
 
-def causal_mask(batch: int, n: int) -> torch.Tensor:
-    """[B,1,n,n] bool, True = attend."""
-    return torch.ones(n, n, dtype=torch.bool).tril_().expand(batch, 1, n, n)
-
-
 @torch.no_grad()
 def teacher(target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B,T] -> the target's logits [B,T,V] float32 and the features its head reads [B,T,F]
@@ -54,7 +49,7 @@ def teacher(target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     B, T = tokens.shape
     t = target.spec
     cache = causal_cache((t.num_layers, t.num_kv_heads, t.head_dim), B, target.embed_weight.dtype)
-    return target(tokens, torch.arange(T).expand(B, T), causal_mask(B, T), cache)
+    return target(tokens, torch.arange(T).expand(B, T), causal_mask(T, 0, B), cache)
 
 
 class Teacher:
