@@ -171,7 +171,7 @@ def sizes_for(trees: list[TreeConfig]) -> tuple[tuple[int, ...], tuple[int, ...]
 
 
 class CostSampler:
-    """The cost model of cpu-cost-model.md measured in rounds: t(N) of a target forward over N new tokens after
+    """The cost model measured in rounds: t(N) of a target forward over N new tokens after
     `context` cached ones, draft steps over N nodes (N = 1 for chains, K for a tree level), and the first draft step
     over 4 context rows (fc included). A round runs every case once, in a freshly shuffled order; rounds taken
     between the generation runs (run_backend) see the same drifting load as the runs they predict, and the

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from eaglex.models.errors import ModelError
-from eaglex.prompts import BUILTIN_PROMPTS, encode, load_tokenizer, read_prompts
+from eaglex.prompts import BUILTIN_PROMPTS, encode, read_prompts
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import check_greedy
 

@@ -31,7 +31,7 @@ from eaglex.fsio import check_out, staged
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
-DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM (onnx.md §4)
+DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")

@@ -35,7 +35,7 @@ from torch.export import Dim
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import ConcatCache, Target, causal_mask
 
-# Example sizes: never 0 or 1, so that the exporter keeps every axis symbolic (onnx.md §3).
+# Example sizes: never 0 or 1, so that the exporter keeps every axis symbolic.
 EXAMPLE_B, EXAMPLE_N, EXAMPLE_P = 2, 7, 13
 BATCH, SEQ, PAST, ROWS = Dim("batch"), Dim("seq"), Dim("past"), Dim("rows")
 
@@ -95,7 +95,7 @@ def target_graph(target: Target) -> GraphSpec:
     return GraphSpec("target", TargetGraph(target), (ids, pos, mask, rows) + past,
                      ["input_ids", "position_ids", "attn_mask", "logits_rows"] + past_names(s.num_layers),
                      outputs, (SEQ_AXES, SEQ_AXES, MASK_AXES, {0: ROWS}, (PAST_AXES,) * (2 * s.num_layers)),
-                     s.num_layers, s.vocab_size)   # *past takes one nested tuple (a flat one fails, onnx.md §3)
+                     s.num_layers, s.vocab_size)   # *past takes one nested tuple (a flat one fails)
 
 
 class DraftGraph(nn.Module):

@@ -3,7 +3,7 @@
 nn.Linear keeps W as [out, in] and the exporter emits `MatMul(x, Transpose(W))`; its optimizer then folds the
 Transpose into a *new* initializer, so the export would briefly hold every weight twice. Transposing here, one
 matrix at a time and dropping the original, keeps the peak at the weights plus one matrix, and the ONNX MatMul
-reads the initializer as is (what ORT's MLAS GEMM wants, cpu-cost-model.md §1.4).
+reads the initializer as is (what ORT's MLAS GEMM wants).
 """
 from __future__ import annotations
 

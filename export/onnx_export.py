@@ -1,6 +1,6 @@
 """Export one graph (export/graphs.py) to ONNX with the dynamo exporter at opset 23, and check its structure.
 
-Why this path (../shared/reference/onnx.md §1, §3): at opset 23 the exporter lowers SDPA to the standard
+Why this path: at opset 23 the exporter lowers SDPA to the standard
 `Attention` op, which ORT's CPU EP runs 1.15-1.6x faster than the decomposed MatMul/Softmax graph; written with
 `enable_gqa=True` (models/target.py) it keeps native GQA, with no Expand-based repeat_kv in front of it. The
 exporter's default opset is 20, so it is set here. The structure check fails the export when a layer's attention

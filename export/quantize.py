@@ -17,11 +17,11 @@ stored as FP8 initializers behind a DequantizeLinear (the "DQ-only weight" form 
 activations through a Q/DQ pair with the calibrated static per-tensor scale. TensorRT and ONNX Runtime's TensorRT EP
 fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM: eaglex's sessions fold the weight DQs into float
 constants at load (runtime/ort_session.py), so on CPU the graph runs at about fp32 speed with the same FP8 numbers
-(unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: onnx.md §4, 40-50x slower).
+(unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: 40-50x slower).
 
 int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=1
 (float32 compute on the int8 weights). Not level 4 (int8 activations), although that is ONNX Runtime's fast CPU path
-(onnx.md §4: 0.04 ms against 0.12 ms fp32 for 1x2048x2048): its kernel for one row differs from its kernel for
+(measured: 0.04 ms against 0.12 ms fp32 for 1x2048x2048): its kernel for one row differs from its kernel for
 several, so a token computed alone (vanilla step) and the same token in a tree verification got logits up to 0.1
 apart (measured on models/tiny: rows bit-identical for 2..36 rows per call, not for 1), and `eaglex check` failed
 8/12. Level 1 rows agree to float32 rounding whatever the call, like a float32 engine; on CPU it is slower than

@@ -1,7 +1,7 @@
 """EAGLE draft heads: EAGLE-3 (fused low/mid/high features, own reduced vocabulary) and EAGLE-1/2.
 
 Loads the official SafeAILab layouts unchanged (`pytorch_model.bin` or safetensors) and the ModelOpt/SpecForge
-variant (`layers.0.*`, `LlamaForCausalLMEagle3`). Formats and math: ../shared/reference/eagle.md §1-2.
+variant (`layers.0.*`, `LlamaForCausalLMEagle3`). Formats and math follow the official EAGLE code (SafeAILab/EAGLE).
 A head computes one draft step; trees, caches and scoring live in runtime/.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV cache for ONNX Runtime engines: OrtValues that the graphs grow by concatenation, compacted lazily.
 
 A forward takes past_* (committed + pending rows) and returns present_* with its N rows appended; those OrtValues
-become the next past without leaving ORT (onnx.md §5: concat growth + IOBinding is the fastest option for tree
+become the next past without leaving ORT (concat growth + IOBinding measured fastest for tree
 verification on CPU). The committed values are kept aside, so:
 - rollback() is free: the committed values simply become current again;
 - commit(keep) of all pending rows in order (a prefill, a vanilla step, a draft extend) is free as well;

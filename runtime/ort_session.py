@@ -1,6 +1,6 @@
 """ONNX Runtime sessions for engines: one process-wide thread pool, engine-id checks, plain error messages.
 
-All sessions of a process share one global intra-op pool sized to the physical cores (cpu-cost-model.md §2.1):
+All sessions of a process share one global intra-op pool sized to the physical cores:
 with a pool per session, the idle spinning threads of the target's session competed with the draft's next call
 and every call got 1.5-3x slower on 2 cores.
 """

@@ -1,6 +1,6 @@
 """Draft-tree shapes: building a DraftTree from parent pointers, the EAGLE-2 rerank, and EAGLE-1 static plans.
 
-This module owns the tree *structure* (reference: eagle.md section 3): which node hangs under which, the
+This module owns the tree *structure*: which node hangs under which, the
 ancestor mask the target attends with, the root-to-leaf paths the verifier walks, the frontier an EAGLE-2 drafter
 expands, and the node layout of an EAGLE-1 choices list. It never sees a model or a cache; the drafters produce
 tokens and scores, this turns them into index tables.
@@ -122,7 +122,7 @@ def select_dynamic(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
     node_par = np.where(par < 0, 0, slot[np.maximum(par, 0)])
     lost = node_par < 0
     if lost.any():
-        # The official code would silently attach such a node to the wrong slot (eagle.md 3.2); refuse instead.
+        # The official code would silently attach such a node to the wrong slot; refuse instead.
         bad = int(keep[lost][0])
         raise ValueError(f"disconnected selection: candidate {bad} kept but its parent {int(p_np[bad])} was not "
                          f"(scores must not increase along a path)")

@@ -1,9 +1,10 @@
 """Acceptance: given a drafted tree and the target's logits at every node, which nodes to keep and what comes next.
 
-This module owns the lossless guarantee (reference: eagle.md section 4.2). Greedy: accept the longest root path whose
-every token is the target's argmax at its parent, then emit the argmax after it. Sampling (EAGLE-2/3): the draft
-picks its tokens deterministically, so q is a point mass and each child x is accepted with the target's residual
-probability p(x); a rejected child is removed from p and p renormalised; the next token comes from the residual.
+This module owns the lossless guarantee (as the official code's evaluate_posterior). Greedy: accept the longest
+root path whose every token is the target's argmax at its parent, then emit the argmax after it. Sampling
+(EAGLE-2/3): the draft picks its tokens deterministically, so q is a point mass and each child x is accepted with
+the target's residual probability p(x); a rejected child is removed from p and p renormalised; the next token comes
+from the residual.
 That is sequential rejection over distinct children, and the emitted sequence is distributed exactly as sampling
 the target token by token.
 

@@ -10,7 +10,7 @@ Targets (Hugging Face folders: ``config.json`` with ``architectures``, ``model.s
   scaling (θ=500000, factor 8, original context 64, so all three llama3 frequency bands occur), untied ``lm_head``.
 - ``make_qwen2_target``: Qwen2ForCausalLM, 7 layers, H=96, 4 query / 2 KV heads, q/k/v biases, tied embeddings.
 
-Both follow the construction of ``shared/reference/testing.md``: vocabulary V=48 ≤ H, embedding rows
+Both follow one construction: vocabulary V=48 ≤ H, embedding rows
 ``sqrt(H)·Q[:V]`` for a random orthogonal Q (orthogonal, equal norm), random attention/MLP weights whose output
 projections are scaled by ε (``eps_attn`` for ``o_proj``, ``eps_mlp`` for ``down_proj``, relative to a unit-gain
 init). With the residual stream ≈ e(t) the target mostly follows a fixed token map t → next(t), and the context
@@ -22,7 +22,7 @@ other next token, a position or KV-cache bug → other output) rather than from 
   dependent);
 - most of the perturbation comes from attention (ε_attn 1.2 Llama / 0.8 Qwen2), little from the MLPs (ε_mlp 0.3).
 
-- Llama (untied): ``lm_head = E[perm]``, so next = perm⁻¹ (testing.md).
+- Llama (untied): ``lm_head = E[perm]``, so next = perm⁻¹.
 - Qwen2 (tied): a tied head alone would give next(t) = t (a model that mostly repeats its last token, where pairing
   bugs go unnoticed). Instead, layer 0's MLP holds a lookup table (neuron t fires on e(t) and writes
   e(σ(t)) − e(t)), so the map is a random permutation σ here too.
@@ -34,7 +34,7 @@ The EOS id is chosen at build time by measurement: the token that greedy generat
 for about 35% of the prompts, preferably not right away (see ``_pick_eos``). It is written to ``config.json`` and
 ``generation_config.json``.
 
-Heads (official layouts, eagle.md §1.1/§1.4 for EAGLE-3, §2 for EAGLE-1/2), built so that they agree with the
+Heads (official layouts), built so that they agree with the
 target often but not always:
 
 - EAGLE-3 midlayer: q = k = c·[slice of norm(e) | 0] (each position attends to itself), v = [B·M1 | −B] and
@@ -43,7 +43,7 @@ target often but not always:
   state by u(token fed), so every step predicts next(token) and chains go deep. ``fc`` maps the target's high
   feature of token t to u(t) (ridge fit over the V single-token probes) plus small random low/mid blocks, so all
   three taps influence the output. The draft vocabulary is the top-Vd target tokens by frequency over greedy
-  probe generations (eagle.md §1.5): tokens outside it can never be drafted (built-in rejections).
+  probe generations: tokens outside it can never be drafted (built-in rejections).
 - EAGLE-1: ``fc = [M1 | small random] + bias``, a small random decoder layer, logits via the target head.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ QWEN2_SPEC = dict(
     rms_norm_eps=1e-6,
 )
 EAGLE3_SPEC = dict(
-    heads=4, kv_heads=2,       # GQA like the official LLaMA-3.1 head (32/8); head_dim = H // heads (eagle.md §1.1)
+    heads=4, kv_heads=2,       # GQA like the official LLaMA-3.1 head (32/8); head_dim = H // heads
     self_attn_gain=2.0,        # c in q = k = c·[slice | 0]
     mlp_scale=0.15,            # down_proj scale of the small random MLP
     noise=0.02,                # std of the random perturbation on q/k/v/o (relative to unit gain)
@@ -349,7 +349,7 @@ def make_prompts(n: int, vocab: int, seed: int = 0, max_len: int = 40) -> list[l
 # probes shared by the head builders
 # ---------------------------------------------------------------------------------------------------------------
 def eagle3_tap_layers(num_layers: int) -> list[int]:
-    """Decoder layers whose *inputs* EAGLE-3 taps (= HF hidden_states indices), eagle.md §1.2."""
+    """Decoder layers whose *inputs* EAGLE-3 taps (= HF hidden_states indices)."""
     return [2, num_layers // 2, num_layers - 3]
 
 
@@ -388,7 +388,7 @@ def _state_vectors(model, nxt: torch.Tensor) -> torch.Tensor:
 
 
 def _draft_vocab(model, gens: torch.Tensor, vd: int) -> torch.Tensor:
-    """Top-vd target tokens by frequency over greedy probe generations, sorted ascending (eagle.md §1.5)."""
+    """Top-vd target tokens by frequency over greedy probe generations, sorted ascending."""
     V = model.config.vocab_size
     counts = torch.bincount(gens.flatten(), minlength=V).double()
     counts = counts - torch.arange(V, dtype=torch.double) * 1e-6  # ties: smaller id first
@@ -517,7 +517,7 @@ def make_eagle3_head(target_dir, out_dir, fmt: str = "bin", draft_vocab_size: in
     if layout == "modelopt":
         cfg["transformers_version"] = "4.55.4"
         cfg["head_dim"] = hd
-        cfg["rope_theta"] = 10000.0  # the value the official head uses implicitly (eagle.md §1.3)
+        cfg["rope_theta"] = 10000.0  # the value the official head uses implicitly
         cfg["eagle_config"] = {
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in eagle3_tap_layers(L)],  # output-layer ids
             "use_aux_hidden_state": True,
@@ -535,7 +535,7 @@ def make_eagle3_head(target_dir, out_dir, fmt: str = "bin", draft_vocab_size: in
 @_one_thread()
 @torch.no_grad()
 def make_eagle1_head(target_dir, out_dir, fmt: str = "bin", seed: int = 0, qkv_bias: bool | None = None) -> Path:
-    """EAGLE-1/2 head (eagle.md §2): fc [H,2H] + bias, one decoder layer without input_layernorm, embed_tokens copy.
+    """EAGLE-1/2 head: fc [H,2H] + bias, one decoder layer without input_layernorm, embed_tokens copy.
 
     ``qkv_bias=None`` follows the target: q/k/v biases and the ``qkv_bias`` config key for Qwen2 targets.
     """
@@ -544,7 +544,7 @@ def make_eagle1_head(target_dir, out_dir, fmt: str = "bin", seed: int = 0, qkv_b
     tc = model.config
     V, H = tc.vocab_size, tc.hidden_size
     nh, nkv = tc.num_attention_heads, tc.num_key_value_heads
-    hd = H // nh                                        # cnets1 ignores config.head_dim (eagle.md §1.1, §2)
+    hd = H // nh                                        # cnets1 ignores config.head_dim
     I = H
     if qkv_bias is None:
         qkv_bias = tc.model_type == "qwen2"

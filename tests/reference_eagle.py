@@ -2,7 +2,7 @@
 
 Plain torch on CPU, float32, no KV cache: a draft "sequence" is run in one causal pass, and a chain is drafted by
 recomputing the whole draft sequence after each appended step (a one-layer causal draft gives the same result as
-its KV-cached form). Section numbers refer to ``shared/reference/eagle.md``.
+its KV-cached form).
 
 Conventions (§1.3):
 - Pairing: draft row p takes (feature of target position p, token x_{p+1}) at RoPE position p, and predicts x_{p+2}.

@@ -63,7 +63,7 @@ def test_tree_from_parents_rejects(tokens, parents):
 
 
 def test_mc_sim_7b_63_matches_reference():
-    """Facts from eagle.md 3.1: 25 nodes + root, depth 5, 4/8/8/3/2 per depth, 15 x 6 retrieve_indices."""
+    """Facts of the official choices.py: 25 nodes + root, depth 5, 4/8/8/3/2 per depth, 15 x 6 retrieve_indices."""
     assert len(MC_SIM_7B_63) == 25
     plan = static_plan(MC_SIM_7B_63)
     tree = tree_from_parents(torch.arange(26), plan.parents)

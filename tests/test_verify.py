@@ -147,7 +147,7 @@ def test_verify_sampling_preserves_target_distribution(cfg, draws):
 
 
 def sequential_verifier(renormalise, residual):
-    """Straight sequential EAGLE-2 verifier (eagle.md 4.2, one uniform per child) whose two corrections can be
+    """Straight sequential EAGLE-2 verifier (one uniform per child) whose two corrections can be
     switched off to make it WRONG: without `renormalise` a later child is accepted with its raw p instead of
     p / (mass left); without `residual` the recovered token is drawn from the full p instead of p with the rejected
     children removed."""

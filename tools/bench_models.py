@@ -1,20 +1,19 @@
 """The benchmark's big target: a seeded ~0.5B Llama whose one-token forward is memory-bound on a CPU, with an
-EAGLE-3 head built to agree with it at a measured rate (issue 3, `make bench`).
+EAGLE-3 head built to agree with it at a measured rate (`make bench`).
 
-Same construction as tests/fixtures.py (../shared/reference/testing.md), changed where it does not scale:
+Same construction as tests/fixtures.py, changed where it does not scale:
 
 - Vocabulary V=32000 > H=1536, so the embedding rows cannot be orthogonal. They are random Gaussian rows of norm
   sqrt(H): nearly orthogonal (|cos| ~ 1/sqrt(H) = 0.026), which is all the argmax needs.
-- The token map lives on a "frequent" subset S of 8000 tokens (the draft vocabulary, Vd=8000 as in
-  cpu-cost-model.md): next() is one random cycle through S, and lm_head row next(t) = e(t) for t in S. Rows of the
-  other 24000 tokens are zero, so greedy generation never leaves S (a real model's reduced draft vocabulary covers
-  almost all of what it generates). The EOS id is one of those dead tokens: generations run to max_new_tokens.
+- The token map lives on a "frequent" subset S of 8000 tokens (the draft vocabulary, Vd=8000 as in official
+  EAGLE-3 heads): next() is one random cycle through S, and lm_head row next(t) = e(t) for t in S. Rows of the other
+  24000 tokens are zero, so greedy generation never leaves S (a real model's reduced draft vocabulary covers almost all of what it generates). The EOS id is one of those dead tokens: generations run to max_new_tokens.
 - Layers: the fixtures' anti-self attention (a token reads *other* positions, so an override depends on the
   context and a cache/position bug changes the output) with o_proj scaled by eps_attn and down_proj by eps_mlp.
   eps sets how often the context overrides the map; at H=1536 and 16 layers the values are larger than the
   fixtures' because the margin of the right logit grows with sqrt(H).
 - EAGLE-3 head with the target's width, intermediate size and attention shape (24 query / 6 KV heads of 64), as
-  the head of cpu-cost-model.md §1.3, so its draft steps cost what a real head's do. The fixtures' recipe
+  a real EAGLE-3 head, so its draft steps cost what a real head's do. The fixtures' recipe
   (q = k = c·[slice of norm(e) | 0], v = [I | -I], o = I) is applied to the first R = 6·64 = 384 coordinates,
   all that 6 KV heads can carry: they become norm(e(token fed)), and the draft lm_head (the target's rows of S,
   restricted to those coordinates) reads them, so its argmax is next(token fed): every draft step predicts the

@@ -54,12 +54,6 @@ def line_start_prompts(files: list[SourceFile], tokenizer, count: int, length: i
     return prompts
 
 
-def read_jsonl_prompts(path: str | Path, tokenizer) -> list[list[int]]:
-    """Lines {"prompt": "..."} (needs the tokenizer) or {"input_ids": [...]}; see eaglex.prompts."""
-    from eaglex.prompts import read_prompts
-    return read_prompts(path, tokenizer)
-
-
 def write_jsonl_prompts(path: str | Path, prompts: list[list[int]], tokenizer=None) -> None:
     """One {"input_ids": [...]} line per prompt, with its text under "prompt" when a tokenizer is given (readers
     take input_ids first: re-encoding the text need not give the same ids)."""

@@ -1,4 +1,4 @@
-"""EAGLE-1/2 head training, as the official `eagle/train` (eagle.md §2): feature regression plus a token loss.
+"""EAGLE-1/2 head training, as the official `eagle/train`: feature regression plus a token loss.
 
 The head reads the target's final-normed last hidden state f_t with the next token x_{t+1} (fc over
 [embedding, feature]) and regresses f_{t+1} through one causal decoder layer. Loss = SmoothL1(pred, f_{t+1}) +

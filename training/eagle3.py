@@ -1,4 +1,4 @@
-"""EAGLE-3 head training with training-time test (TTT), as the official `eagle/traineagle3` (eagle.md §5.1).
+"""EAGLE-3 head training with training-time test (TTT), as the official `eagle/traineagle3`.
 
 The head is the inference module itself (models.eagle.DraftHead); only its attention is re-run here in the TTT
 form. For a sequence x_0..x_{T-1}, slot t of step s feeds token x_{t+1+s} at RoPE position t+s; step 0's hidden
@@ -50,7 +50,7 @@ class Eagle3Config:
 # ------------------------------------------------------------------------------------------------ vocabulary
 
 def vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Official d2t/t2d (eagle.md §1.5): the Vd most frequent target ids (ties: lower id first), sorted ascending.
+    """Official d2t/t2d: the Vd most frequent target ids (ties: lower id first), sorted ascending.
 
     counts [V] int64 -> d2t [Vd] int64 offsets (target id = draft id + d2t[draft id]), t2d [V] bool membership.
     """
@@ -99,7 +99,7 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
 
     kv collects each step's (keys, values), already repeated to the query heads (GQA: query head i reads kv head
     i // rep) [B,nh,n,D]; keys of step 0 are attended causally, those of later steps only on the diagonal
-    (eagle.md §5.1).
+    (as the official trainer).
     """
     s, layer = head.spec, head.midlayer
     attn = layer.self_attn
