@@ -7,7 +7,8 @@ Same construction as tests/fixtures.py, changed where it does not scale:
   sqrt(H): nearly orthogonal (|cos| ~ 1/sqrt(H) = 0.026), which is all the argmax needs.
 - The token map lives on a "frequent" subset S of 8000 tokens (the draft vocabulary, Vd=8000 as in official
   EAGLE-3 heads): next() is one random cycle through S, and lm_head row next(t) = e(t) for t in S. Rows of the other
-  24000 tokens are zero, so greedy generation never leaves S (a real model's reduced draft vocabulary covers almost all of what it generates). The EOS id is one of those dead tokens: generations run to max_new_tokens.
+  24000 tokens are zero, so greedy generation never leaves S (a real model's reduced draft vocabulary covers almost
+  all of what it generates). The EOS id is one of those dead tokens: generations run to max_new_tokens.
 - Layers: the fixtures' anti-self attention (a token reads *other* positions, so an override depends on the
   context and a cache/position bug changes the output) with o_proj scaled by eps_attn and down_proj by eps_mlp.
   eps sets how often the context overrides the map; at H=1536 and 16 layers the values are larger than the
