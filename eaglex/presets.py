@@ -1,8 +1,14 @@
-"""Named presets for `make engine MODEL=...`: which target and which EAGLE head, where their weights come from.
+"""Named presets for `make engine MODEL=...`: which target and which EAGLE head, where their weights come from, and
+what memory each stage needs.
 
 Weights are looked up in this order: an explicit folder (MODEL_DIR / DRAFT_DIR), the local Hugging Face cache,
 then a download with huggingface_hub (skipped when HF_HUB_OFFLINE=1). The embedded default `tiny` lives in the
 repository (models/tiny) and needs none of that.
+
+Memory is computed from each preset's architecture (`Arch`: exact parameter counts of the published configs) and
+the measured ratios of the stages (calibration/memory.py for FP8 calibration; the float32 ONNX export peaks at about
+1.25 x its float32 weights). `require_resources` checks them against this machine before any download, and
+`memory_table()` is the README's table.
 """
 from __future__ import annotations
 
@@ -11,6 +17,59 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.models.errors import ModelError
+
+GB = 1e9
+ONNX_EXPORT_RATIO = 1.25      # peak RAM of the float32 ONNX export per byte of float32 weights (40 GB for 8B)
+KV_HEADROOM = 0.15            # share of each GPU kept beyond the weights for the KV cache and activations (serving)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The dimensions that fix a Llama-family model's parameter count (as in its config.json)."""
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    draft_vocab: int = 32000          # the EAGLE-3 head's draft vocabulary
+    tied: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' Linears (what FP8 quantizes)."""
+        H, kvd = self.hidden, self.kv_heads * self.head_dim
+        return self.layers * (2 * H * H + 2 * H * kvd + 3 * H * self.intermediate)
+
+    @property
+    def params(self) -> int:
+        H = self.hidden
+        embed = self.vocab * H * (1 if self.tied else 2)
+        return embed + self.linear_params + self.layers * 2 * H + H
+
+    @property
+    def draft_params(self) -> int:
+        """An EAGLE-3 head: fc (3H -> H), one decoder layer reading 2H, norms, its own lm_head over the draft
+        vocabulary (the embedding is shared with the target)."""
+        H, kvd = self.hidden, self.kv_heads * self.head_dim
+        return 3 * H * H + (2 * H * H + 2 * 2 * H * kvd + H * H) + 3 * H * self.intermediate \
+            + self.draft_vocab * H + 4 * H
+
+    def bytes(self, dtype: str = "bfloat16") -> int:
+        return self.params * (4 if dtype == "float32" else 2)
+
+    def fp8_bytes(self) -> int:
+        """An FP8 checkpoint: Linears one byte per weight, everything else (embeddings, lm_head, norms) bfloat16."""
+        return self.linear_params + 2 * (self.params - self.linear_params)
+
+
+LLAMA3_8B = Arch(vocab=128256, hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8)
+LLAMA3_70B = Arch(vocab=128256, hidden=8192, layers=80, intermediate=28672, heads=64, kv_heads=8)
+VICUNA_13B = Arch(vocab=32000, hidden=5120, layers=40, intermediate=13824, heads=40, kv_heads=40)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_DIR = REPO_ROOT / "models" / "tiny"
@@ -26,21 +85,26 @@ class Preset:
     quant: str = "none"
     local: bool = False
     prompts: str | None = None  # check/demo prompts (a path under the repository); None: eaglex.prompts.BUILTIN_PROMPTS
+    arch: Arch | None = None    # None: the embedded default (its weights are in the repository)
+    gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
+    gpu_example: str = ""       # a GPU setup that fits, for messages
 
 
 PRESETS = {p.name: p for p in [
     Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
            "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),
     Preset("llama3-8b", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "onnxruntime",
-           "CPU: 40 GB RAM for the float32 export (16 GB of weights); GPU: one 24 GB card"),
+           "CPU: 40 GB RAM for the float32 export (32 GB of float32 weights); GPU: one 24 GB card",
+           arch=LLAMA3_8B),
     Preset("llama3-70b", "meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
-           "tensorrt-llm", "NVIDIA GPUs: 2x H100/H200 80 GB with FP8 (tensor parallel), or 4x A100 80 GB in bf16",
-           quant="fp8"),
+           "tensorrt-llm", "NVIDIA GPUs with compute capability >= 8.9: 2x H100/H200 80 GB (FP8 calibration spreads "
+           "the 141 GB of bfloat16 weights over both; serving holds 38 GB of FP8 weights per GPU at tensor parallel "
+           "2); host RAM 16 GB", quant="fp8", arch=LLAMA3_70B, gpus=2, gpu_example="2x H100/H200 80 GB"),
     Preset("vicuna-13b", "lmsys/vicuna-13b-v1.3", "yuhuili/EAGLE3-Vicuna1.3-13B", "onnxruntime",
-           "CPU: 64 GB RAM for the float32 export; GPU: one 40 GB card"),
+           "CPU: 65 GB RAM for the float32 export (52 GB of float32 weights); GPU: one 40 GB card", arch=VICUNA_13B),
     Preset("deepseek-r1-llama-8b", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
            "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B", "onnxruntime",
-           "CPU: 40 GB RAM for the float32 export; GPU: one 24 GB card"),
+           "CPU: 40 GB RAM for the float32 export (32 GB of float32 weights); GPU: one 24 GB card", arch=LLAMA3_8B),
 ]}
 
 
@@ -86,3 +150,89 @@ def preset_folders(preset: Preset, model_dir=None, draft_dir=None) -> tuple[Path
         return target, draft
     return (resolve_weights(preset.target_repo, model_dir, "target", "MODEL_DIR"),
             resolve_weights(preset.draft_repo, draft_dir, "EAGLE head", "DRAFT_DIR"))
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+
+def stage_needs(preset: Preset, backend: str | None = None) -> dict:
+    """Bytes each stage of `make engine MODEL=preset` needs, computed from the architecture. Keys: download (disk),
+    and per backend: calibrate_gpu / serve_gpu_total / serve_gpu_per_gpu (tensorrt-llm FP8), export_ram / run_ram
+    (onnxruntime), run_ram (torch)."""
+    from eaglex.calibration.memory import CPU_PEAK_RATIO, GPU_WEIGHT_FRACTION, HOST_BASE
+
+    a = preset.arch
+    if a is None:
+        return {}
+    backend = backend or preset.backend
+    draft = a.draft_params * 2
+    out = {"weights_bf16": a.bytes("bfloat16"), "draft_bf16": draft, "download": a.bytes("bfloat16") + draft}
+    if backend == "tensorrt-llm":
+        if preset.quant == "fp8":
+            out["calibrate_gpu"] = int(a.bytes("bfloat16") / GPU_WEIGHT_FRACTION)
+            out["calibrate_cpu_ram"] = int(a.bytes("bfloat16") * CPU_PEAK_RATIO) + HOST_BASE
+            out["serve_weights"] = a.fp8_bytes() + draft
+        else:
+            out["serve_weights"] = a.bytes("bfloat16") + draft
+        out["serve_gpu_per_gpu"] = int(out["serve_weights"] / preset.gpus / (1 - KV_HEADROOM))
+        out["bundle_disk"] = out["serve_weights"]
+    elif backend == "onnxruntime":
+        out["export_ram"] = int(a.bytes("float32") * ONNX_EXPORT_RATIO)
+        out["run_ram"] = a.bytes("float32") + draft * 2
+        out["engine_disk"] = a.bytes("float32") + draft * 2
+    else:
+        out["run_ram"] = a.bytes("float32") + draft * 2 + HOST_BASE
+    return out
+
+
+def require_resources(preset: Preset, backend: str | None = None, machine=None, calibrated: bool = False) -> None:
+    """Refuse, in one line and before any download, a preset this machine cannot build: FP8 calibration for a
+    TensorRT-LLM preset needs its bfloat16 weights on GPUs (what does not fit 90 % of the GPUs' free memory may be
+    offloaded to RAM); an onnxruntime preset needs RAM for the float32 export; the torch backend RAM for the float32
+    weights. `calibrated`: an FP8 checkpoint is given, no calibration runs here."""
+    from eaglex.calibration.memory import GPU_WEIGHT_FRACTION, HOST_BASE, gb, probe
+
+    backend = backend or preset.backend
+    need = stage_needs(preset, backend)
+    if not need:
+        return
+    machine = machine or probe()
+    have = machine.describe()
+    if backend == "tensorrt-llm" and preset.quant == "fp8" and not calibrated:
+        gpu_cap = sum(int(free * GPU_WEIGHT_FRACTION) for free, _ in machine.gpus)
+        offload = max(0, machine.ram_available - HOST_BASE)
+        if not machine.gpus or gpu_cap + offload < need["weights_bf16"]:
+            example = f", e.g. {preset.gpu_example}" if preset.gpu_example else ""
+            raise ModelError(f"{preset.name} needs NVIDIA GPUs: {gb(need['calibrate_gpu'])} GB of GPU memory to "
+                             f"calibrate FP8 ({gb(need['weights_bf16'])} GB of bfloat16 weights at "
+                             f"{int(GPU_WEIGHT_FRACTION * 100)} % of each GPU{example}), then {preset.gpus} GPU(s) with "
+                             f"{gb(need['serve_gpu_per_gpu'])} GB each to serve; this machine has {have}. Run it there, "
+                             "or build the bundle from an FP8 checkpoint calibrated elsewhere (--calibrated DIR)")
+    elif backend == "onnxruntime" and machine.ram_available < need["export_ram"]:
+        raise ModelError(f"{preset.name} needs {gb(need['export_ram'])} GB of RAM for the float32 ONNX export "
+                         f"({gb(preset.arch.bytes('float32'))} GB of float32 weights); this machine has {have}")
+    elif backend == "torch" and machine.ram_available < need["run_ram"]:
+        raise ModelError(f"{preset.name} needs {gb(need['run_ram'])} GB of RAM to run in float32 on the torch "
+                         f"backend; this machine has {have}")
+
+
+def memory_table() -> str:
+    """The README's preset table: parameters and memory per stage, computed as in stage_needs (GB = 1e9 bytes)."""
+    rows = ["| preset | backend | parameters (target + head) | download | build | serve / run |",
+            "|---|---|---|---|---|---|"]
+    for p in PRESETS.values():
+        if p.arch is None:
+            rows.append(f"| {p.name} | {p.backend} | in the repository | none | {p.hardware} | |")
+            continue
+        n = stage_needs(p)
+        params = f"{p.arch.params / 1e9:.2f} B + {p.arch.draft_params / 1e9:.2f} B"
+        if p.backend == "tensorrt-llm":
+            build = (f"FP8 calibration: {n['calibrate_gpu'] / GB:.0f} GB GPU memory over the GPUs "
+                     f"({n['weights_bf16'] / GB:.0f} GB bfloat16 weights at 90 % of each GPU), host RAM "
+                     f"16 GB; bundle {n['bundle_disk'] / GB:.0f} GB disk")
+            serve = (f"{p.gpus} GPU(s), {n['serve_gpu_per_gpu'] / GB:.0f} GB each ({n['serve_weights'] / GB:.0f} GB "
+                     "FP8 weights + head, 15 % kept for the KV cache), compute capability >= 8.9")
+        else:
+            build = f"float32 ONNX export: {n['export_ram'] / GB:.0f} GB RAM, {n['engine_disk'] / GB:.0f} GB disk"
+            serve = f"{n['run_ram'] / GB:.0f} GB RAM (float32 engine)"
+        rows.append(f"| {p.name} | {p.backend} | {params} | {n['download'] / GB:.0f} GB | {build} | {serve} |")
+    return "\n".join(rows)
