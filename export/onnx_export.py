@@ -1,7 +1,6 @@
 """Export one graph (export/graphs.py) to ONNX with the dynamo exporter at opset 23, and check its structure.
 
-Why this path: at opset 23 the exporter lowers SDPA to the standard
-`Attention` op, which ORT's CPU EP runs 1.15-1.6x faster than the decomposed MatMul/Softmax graph; written with
+Why this path: at opset 23 the exporter lowers SDPA to the standard `Attention` op, which ORT's CPU EP runs 1.15-1.6x faster than the decomposed MatMul/Softmax graph; written with
 `enable_gqa=True` (models/target.py) it keeps native GQA, with no Expand-based repeat_kv in front of it. The
 exporter's default opset is 20, so it is set here. The structure check fails the export when a layer's attention
 did not become one `Attention` node or when repeat_kv crept back in.
@@ -12,15 +11,7 @@ copying, and saving streams them to disk. Measured peak RSS: see `measure_export
 Graphs with more than 64 MiB of weights go to external data (`NAME.onnx.data` next to the graph): protobuf
 caps a file at 2 GiB, and serializing into the proto would copy the weights twice more.
 
-Design for a 70B target on a machine with a little more RAM than its weights (not implemented; the parts exist):
-1. Trace under `torch._subclasses.FakeTensorMode` with the model built on the meta device: torch.export only needs
-   shapes, so the trace holds no weights at all.
-2. The ONNX program's initializers then carry no data; replace each by an `onnx_ir.ExternalTensor` that points at
-   its offset in `target.onnx.data`, and fill that file by streaming the safetensors shards one tensor at a time
-   (mmap read, transpose [out,in] -> [in,out] for the MatMul layout, write, drop): peak ~ one shard's page cache.
-3. Save the graph proto alone (a few MB) and run the parity check on a small random-weight twin of the same
-   architecture (the graph is weight-independent) plus a few real-weight rows through ORT, whose external-data
-   loader maps the file instead of copying it.
+Exporting targets larger than RAM is not implemented; the plan is in docs/plans.md.
 """
 from __future__ import annotations
 
