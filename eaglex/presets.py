@@ -99,7 +99,7 @@ PRESETS = {p.name: p for p in [
     Preset("llama3-70b", "meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
            "tensorrt-llm", "NVIDIA GPUs with compute capability >= 8.9: 2x H100/H200 80 GB (FP8 calibration spreads "
            "the 141 GB of bfloat16 weights over both; serving holds 38 GB of FP8 weights per GPU at tensor parallel "
-           "2); host RAM 16 GB", quant="fp8", arch=LLAMA3_70B, gpus=2, gpu_example="2x H100/H200 80 GB"),
+           "2); host RAM about 16 GB", quant="fp8", arch=LLAMA3_70B, gpus=2, gpu_example="2x H100/H200 80 GB"),
     Preset("vicuna-13b", "lmsys/vicuna-13b-v1.3", "yuhuili/EAGLE3-Vicuna1.3-13B", "onnxruntime",
            "CPU: 65 GB RAM for the float32 export (52 GB of float32 weights); GPU: one 40 GB card", arch=VICUNA_13B),
     Preset("deepseek-r1-llama-8b", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
@@ -221,14 +221,15 @@ def memory_table() -> str:
             "|---|---|---|---|---|---|"]
     for p in PRESETS.values():
         if p.arch is None:
-            rows.append(f"| {p.name} | {p.backend} | in the repository | none | {p.hardware} | |")
+            rows.append(f"| {p.name} | {p.backend} | in the repository | none | {p.hardware} | any CPU |")
             continue
         n = stage_needs(p)
         params = f"{p.arch.params / 1e9:.2f} B + {p.arch.draft_params / 1e9:.2f} B"
         if p.backend == "tensorrt-llm":
             build = (f"FP8 calibration: {n['calibrate_gpu'] / GB:.0f} GB GPU memory over the GPUs "
                      f"({n['weights_bf16'] / GB:.0f} GB bfloat16 weights at 90 % of each GPU), host RAM "
-                     f"16 GB; bundle {n['bundle_disk'] / GB:.0f} GB disk")
+                     f"about 16 GB (one 5 GB shard in flight; estimated, not measured on GPUs); bundle "
+                     f"{n['bundle_disk'] / GB:.0f} GB disk")
             serve = (f"{p.gpus} GPU(s), {n['serve_gpu_per_gpu'] / GB:.0f} GB each ({n['serve_weights'] / GB:.0f} GB "
                      "FP8 weights + head, 15 % kept for the KV cache), compute capability >= 8.9")
         else:

@@ -10,7 +10,8 @@ Two kinds of facts, each with the version and the file it was read from:
 - how the PyTorch backend reads a ModelOpt FP8 checkpoint (tensorrt_llm/_torch/modules/linear.py,
   FP8QDQLinearMethod): weight float8_e4m3fn of shape (out_features, in_features); weight_scale and input_scale one
   float32 value each (read with .reshape([])); k_scale / v_scale one value each on k_proj / v_proj; everything
-  not quantized is created in the model dtype, which comes from config.json (torch_dtype).
+  not quantized is created in the model dtype, which comes from config.json (torch_dtype), and copy_weight (same
+  file) casts a stored tensor of another dtype to the parameter's dtype as it copies it in.
 
 No record exists here for TensorRT-LLM 1.0-1.2: their field lists could not be read from upstream when this was
 written, so the version floor is the earliest version whose Eagle3DecodingConfig is recorded complete and accepts

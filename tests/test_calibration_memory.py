@@ -172,3 +172,8 @@ def test_cpu_calibration_peaks_near_one_copy_of_the_weights(tmp_path):
     ratio = (mem["rss_peak_bytes"] - mem["rss_baseline_bytes"]) / weights
     print(f"peak {ratio:.3f} x the bf16 weights ({weights / 1e6:.0f} MB)")
     assert ratio <= 1.3, ratio
+
+
+def test_docs_table_is_the_computed_one():
+    from eaglex.presets import REPO_ROOT
+    assert memory_table() in (REPO_ROOT / "docs" / "nvidia.md").read_text()

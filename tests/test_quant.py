@@ -409,7 +409,7 @@ def test_fp8_draft_engine_check_is_token_exact(float_engine, calibrated, calib_d
     cal = tmp_path / "cal"
     assert main(["calibrate", "--target", str(models["llama"]), "--out", str(cal), "--data", str(calib_data),
                  "--samples", "4", "--seq-len", "48", "--eval-samples", "2", "--draft", str(models["llama/eagle3"]),
-                 "--quant-draft"]) == 0
+                 "--quant-draft", "--dtype", "bfloat16"]) == 0
     hq = json.loads((tmp_path / "cal-draft" / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quant_algo"] == "FP8" and hq["exclude_modules"] == ["lm_head"]
     e = _copy_engine(float_engine, tmp_path / "fp8-draft")
