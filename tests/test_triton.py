@@ -99,6 +99,9 @@ def test_parse_defaults_and_trtllm_conventions():
     ({"text_input": "ab", "beam_width": 4}, None, "beam_width", "UNSUPPORTED"),
     ({"text_input": "ab", "bad_words": ["x"]}, None, "bad_words", "UNSUPPORTED"),
     ({"text_input": "ab", "end_id": 48}, None, "end_id", "INVALID_ARG"),
+    ({"text_input": "ab", "max_tokens": 5.5}, None, "max_tokens must be an integer", "INVALID_ARG"),
+    ({"text_input": "ab", "top_k": True}, None, "top_k must be an integer", "INVALID_ARG"),
+    ({"text_input": "ab", "seed": 2 ** 64}, None, "seed must be", "INVALID_ARG"),
 ])
 def test_parse_refuses(arrays, params, message, code):
     with pytest.raises(RequestError) as e:

@@ -382,7 +382,7 @@ class Supervisor:
                 "models": {m: {"ready": i["ready"], "reason": i["reason"]} for m, i in self.models.items()},
                 "restarts": self.restarts, "reloads": self.reloads, "admin_api": "open" if self.admin_open else
                 f"restricted ({ADMIN_HEADER} header, key in {self.workdir / 'admin-key'})",
-                "log": str(self.log_path), "shm": sorted(self.shm), "events": self.events,
+                "log": str(self.log_path), "workdir": str(self.workdir), "shm": sorted(self.shm), "events": self.events,
                 "refused": self.front.refused if self.front else {}}
         data.update(extra)
         try:
@@ -857,7 +857,8 @@ def _print_status(pid: int, st: dict) -> None:
           f"  gRPC    {HOST}:{st.get('grpc_port')}\n"
           f"  metrics http://{HOST}:{st.get('metrics_port')}/metrics\n"
           f"  admin APIs {st.get('admin_api')}\n"
-          f"  logs    {st.get('log')} (tritonserver), supervisor.log next to the state file")
+          f"  logs    {st.get('log')} (tritonserver), {Path(st.get('workdir', '.')) / 'supervisor.log'} "
+          "(supervisor; stdout with `run`)")
 
 
 def _cmd_check(args) -> int:

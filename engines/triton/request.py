@@ -7,7 +7,8 @@ send the same request. What eaglex cannot honour without changing the output dis
 log-prob outputs) is refused with a clear message instead of being ignored.
 
 Triton's own front end checks tensor names, shapes and data types before the model sees a request; what arrives here
-is already typed. Keys of a generate-extension body that match no input arrive as request *parameters*; those are
+is already typed. (Triton's JSON conversion wraps integers around to the input's type: the HTTP front of the
+supervised server, tools/triton_front.py, refuses out-of-range JSON values before that.) Keys of a generate-extension body that match no input arrive as request *parameters*; those are
 refused as unknown, apart from Triton's reserved `triton_*` keys and TensorRT-LLM's harmless flags.
 """
 from __future__ import annotations
@@ -77,9 +78,12 @@ def _text(value, name: str) -> str:
 
 
 def _int(arrays: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """An integer input, range-checked on its exact value (never truncated or wrapped around)."""
     v = _one(arrays, name)
     if v is None:
         return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise RequestError(f"{name} must be an integer, got {v!r}")
     v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
