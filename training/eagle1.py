@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target, causal_mask
 
-from .heads import Teacher, causal_cache, new_head, save_head
+from .heads import Teacher, causal_cache, layer_config, new_head, save_head
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -44,15 +44,7 @@ def head_config(target: Target, cfg: Eagle1Config, eos_id: int | None) -> dict:
     t, hf = target.spec, target.hf.config
     rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", 10000.0)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": t.hidden_size,
-        "intermediate_size": cfg.intermediate_size or hf.intermediate_size,
-        "num_attention_heads": cfg.num_heads or t.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads or t.num_kv_heads,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-05,
+        **layer_config(target, cfg),
         "max_position_embeddings": t.max_context,
         "rope_theta": float(rope_theta),
         "rope_scaling": None,

@@ -25,7 +25,7 @@ import torch
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target, eagle3_taps, rope
 
-from .heads import Teacher, new_head, save_head
+from .heads import Teacher, layer_config, new_head, save_head
 from .loop import OptimConfig, digest, logged, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -69,17 +69,8 @@ def vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor
 def head_config(target: Target, cfg: Eagle3Config, eos_id: int | None) -> dict:
     """config.json of the official LLaMA-3.1 EAGLE-3 head, sized for `target` (no rope_theta: θ = 10000)."""
     t = target.spec
-    hf = target.hf.config
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": t.hidden_size,
-        "intermediate_size": cfg.intermediate_size or hf.intermediate_size,
-        "num_attention_heads": cfg.num_heads or t.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads or t.num_kv_heads,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-05,
+        **layer_config(target, cfg),
         "max_position_embeddings": 2048,
         "vocab_size": t.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,

@@ -35,6 +35,23 @@ def new_head(target: Target, config: dict, kind: str) -> DraftHead:
     return head.float().train().requires_grad_(True)
 
 
+def layer_config(target: Target, cfg) -> dict:
+    """The config.json keys every head shares: one Llama decoder layer sized from `cfg` (intermediate_size,
+    num_heads, num_kv_heads; 0 = the target's)."""
+    t, hf = target.spec, target.hf.config
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": cfg.intermediate_size or hf.intermediate_size,
+        "num_attention_heads": cfg.num_heads or t.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads or t.num_kv_heads,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+    }
+
+
 def causal_cache(target_or_head_kv: tuple[int, int, int], batch: int, dtype: torch.dtype) -> ConcatCache:
     """An empty functional cache for a full-sequence forward: (layers, kv heads, head dim)."""
     layers, kv_heads, head_dim = target_or_head_kv
