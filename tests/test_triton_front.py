@@ -289,5 +289,6 @@ def test_proxy_refusals_and_health():
         assert status == 503 and b"restarting" in data
         assert (await ask(request("GET", "/v2/models/m/config")))[0] == 503
         assert (await ask(b"GARBAGE\r\n\r\n"))[0] == 400
+        assert (await ask(b"GET /v2/models/m HTTP/1.1\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"))[0] == 431
         assert (await ask(b"GET http://x/v2/repository/index HTTP/1.1\r\nHost: x\r\n\r\n"))[0] == 400
     run(scenario)

@@ -26,6 +26,7 @@ import hmac
 import json
 import math
 import re
+import sys
 import time
 from urllib.parse import unquote
 
@@ -291,10 +292,20 @@ class Front:
                         return await self._linger(reader, writer)
                 if not keep:
                     return
+        except ValueError:                       # a line longer than the stream limit (64 KiB)
+            try:
+                writer.write(response_bytes(431, error_body("a request line or header is too long"),
+                                            keep_alive=False))
+                await writer.drain()
+            except ConnectionError:
+                pass
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
             pass
         except asyncio.CancelledError:
             pass
+        except Exception as e:  # noqa: BLE001 - a bug here must cost one connection, not the front
+            import traceback
+            print(f"front: error on a connection: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         finally:
             self.connections.discard(task)
             writer.close()
