@@ -32,14 +32,6 @@ from .request import Limits, RequestError, parse
 from .textstream import TextStream
 
 
-class _Stop(Exception):
-    """Ends a generation from inside the per-cycle callback (stop word, end_id)."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 class _Abort(Exception):
     """The request was cancelled or its client is gone: stop decoding, send nothing more (or a CANCELLED error)."""
 
@@ -80,8 +72,9 @@ class TritonPythonModel:
         if not engine_dir.is_absolute():     # an engine copied into the repository: relative to the version folder
             engine_dir = Path(args["model_repository"]) / args["model_version"] / engine_dir
         threads = int(params.get("threads") or 0)
-        tree = {k: (int(params[k]) if k != "kind" else params[k]) if params.get(k) else None
-                for k in ("kind", "total_tokens", "depth", "top_k")}
+        # `tree`: one spelling (chain:3, dynamic:16/6/4); the per-field parameters of older repositories are
+        # refused by the loader with that advice
+        tree = params.get("tree") or {k: params[k] for k in ("kind", "total_tokens", "depth", "top_k") if params.get(k)}
         t0 = time.perf_counter()
         self.engine = load(engine_dir, params.get("method") or "default", tree, threads=threads)
         spec = self.engine.spec
@@ -130,47 +123,51 @@ class TritonPythonModel:
         return list(self.engine.tokenizer(text)["input_ids"])
 
     def _generate(self, req, request, sender) -> None:
+        """Runs the request; end_id, stop words, cancellation and a vanished client end it through the generator's
+        stop hook, so the result keeps its statistics (tau, cycles) whatever ended it."""
         text = TextStream(self.engine.tokenizer, req.stop_words)
-        lengths: list[int] = []             # tokens emitted per callback: the prefill's token, then each cycle's
+        ended: list[str] = []                # why the hook stopped the generation, if it did
 
         def on_tokens(ids: list[int]) -> None:
-            if request.is_cancelled():
-                raise _Abort()
-            reason = None
             if req.end_id is not None and req.end_id in ids:      # end_id stops after itself, like an EOS id
-                ids, reason = ids[:ids.index(req.end_id) + 1], "end_id"
-            lengths.append(len(ids))
+                ids = ids[:ids.index(req.end_id) + 1]
+                ended.append("end_id")
             delta = text.push(ids)
             if text.stopped:
-                reason = "stop_word"
+                ended.append("stop_word")
             if req.stream:
-                self._send(sender, self._outputs(delta, ids))
-            if reason:
-                raise _Stop(reason)
+                try:
+                    self._send(sender, self._outputs(delta, ids))
+                except _Abort:
+                    ended.append("cancelled")
 
+        def stop() -> bool:
+            if not ended and request.is_cancelled():
+                ended.append("cancelled")
+            return bool(ended)
+
+        result = None
         try:
             try:
-                result = self.engine.generator(req.sampling).generate(req.input_ids, req.max_tokens, on_tokens)
-                reason = result.stop_reason
-            except _Stop as s:
-                reason = s.reason
+                result = self.engine.generator(req.sampling).generate(req.input_ids, req.max_tokens, on_tokens, stop)
             except ValueError as e:              # the runtime's own input checks
                 raise RequestError(str(e)) from None
-            accepted = lengths[1:]
-            tau = sum(accepted) / len(accepted) if accepted else 0.0
-            stats = {"tau": tau, "cycles": len(accepted), "accepted": sum(n - 1 for n in accepted),
-                     "reason": reason}
+            if ended and ended[0] == "cancelled":
+                raise _Abort()
+            stats = {"tau": result.tau, "cycles": result.cycles,
+                     "accepted": sum(result.accept_lengths) - len(result.accept_lengths),
+                     "reason": ended[0] if ended else result.stop_reason}
             rest = text.finish()
             out = self._outputs(rest if req.stream else text.text, None if req.stream else text.ids, stats)
             self._send(sender, out, final=True)
-            self.metrics.tau.set(tau)
+            self.metrics.tau.set(result.tau)
         finally:
             # tokens and cycles count whatever became of the request (finished, cancelled, failed mid-way)
-            accepted = lengths[1:]
-            m = self.metrics
-            m.tokens.increment(sum(lengths))
-            m.cycles.increment(len(accepted))
-            m.accepted.increment(sum(n - 1 for n in accepted))
+            if result is not None:
+                m = self.metrics
+                m.tokens.increment(len(result.output_ids))
+                m.cycles.increment(result.cycles)
+                m.accepted.increment(sum(result.accept_lengths) - len(result.accept_lengths))
 
     def _outputs(self, delta: str, ids, stats: dict | None = None) -> list:
         """Output tensors with the leading batch dimension (max_batch_size 1)."""

@@ -51,14 +51,15 @@ from eaglex.engines.triton.model import TritonPythonModel  # noqa: F401
 
 def config_pbtxt(name: str, engine_dir: str, instances: int = 1, max_queue_size: int = 64, threads: int = 0,
                  method: str = "default", max_input_bytes: int = 65536, default_max_tokens: int = 128,
-                 tree: dict | None = None) -> str:
+                 tree: str | None = None) -> str:
     def tensor(n, t, dims, optional=None):
         opt = f" optional: {'true' if optional else 'false'}" if optional is not None else ""
         return f'  {{ name: "{n}" data_type: {t} dims: {dims}{opt} }}'
 
     params = {"engine_dir": engine_dir, "method": method, "threads": str(threads),
               "max_input_bytes": str(max_input_bytes), "default_max_tokens": str(default_max_tokens)}
-    params.update({k: str(v) for k, v in (tree or {}).items() if v is not None})
+    if tree:
+        params["tree"] = str(tree)
     param_lines = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{_escape(v)}" }} }}' for k, v in params.items())
     inputs = ",\n".join(tensor(*i) for i in INPUTS)
     outputs = ",\n".join(tensor(*o) for o in OUTPUTS)
@@ -91,7 +92,7 @@ output [
 ]
 # engine_dir: absolute, or relative to the version folder. method: default (the engine's) or vanilla. threads:
 # intra-op threads per instance (0 = the backend's default). max_input_bytes: longest text_input accepted.
-# default_max_tokens: for requests without max_tokens. kind/total_tokens/depth/top_k: override the engine's tree.
+# default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides the engine's own (tuned) tree.
 parameters [
 {param_lines}
 ]
@@ -104,7 +105,7 @@ def _escape(v: str) -> str:
 
 def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int = 1, max_queue_size: int = 64,
                      threads: int = 0, method: str = "default", copy: bool = False, force: bool = False,
-                     max_input_bytes: int = 65536, default_max_tokens: int = 128, tree: dict | None = None) -> Path:
+                     max_input_bytes: int = 65536, default_max_tokens: int = 128, tree: str | None = None) -> Path:
     """Write `<out_dir>/<name>`; returns that model folder. Bad arguments raise a one-line ModelError."""
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise ModelError(f"model name {name!r}: use letters, digits, '_', '-' and '.'")
