@@ -138,15 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", type=Path, required=True, help="folder for ModelOpt's unified FP8 HF checkpoint")
     cal.add_argument("--quant", choices=("fp8",), default="fp8")
     cal.add_argument("--kv-cache", choices=("fp8",), help="also calibrate FP8 k/v cache scales")
-    cal.add_argument("--data", default="builtin",
-                     help='"builtin" (held-out corpus of the embedded default; needs a tokenizer) or a JSONL file '
-                          'of {"prompt": ...} / {"input_ids": [...]} lines (the last fifth is held out)')
+    cal.add_argument("--data", default="auto",
+                     help="auto (builtin-chat for a tokenizer with a chat template, else builtin) | builtin-chat (a "
+                          "built-in chat instruction set through the chat template) | builtin (held-out Python "
+                          "standard-library corpus) | hf:NAME[:SPLIT] (a Hugging Face dataset; needs the hub) | "
+                          'FILE.jsonl of {"prompt": ...} / {"input_ids": [...]} lines (the last fifth is held out)')
     cal.add_argument("--samples", type=int, default=32, help="calibration windows")
     cal.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     cal.add_argument("--eval-samples", type=int, default=8, help="held-out windows for the quality report")
     cal.add_argument("--batch-size", type=int, default=4)
-    cal.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    cal.add_argument("--device", default="auto", help='"auto" (a CUDA GPU when present, else CPU), "cpu", "cuda:N"')
+    cal.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                     help="load, calibrate and export in this dtype (TensorRT-LLM serves bfloat16/float16)")
+    cal.add_argument("--device", default="auto",
+                     help="auto (every visible GPU, overflow offloaded to RAM; else the CPU) | cpu | cuda | cuda:N")
     cal.add_argument("--draft", type=Path, help="EAGLE head folder (with --quant-draft)")
     cal.add_argument("--quant-draft", action="store_true", help="also quantize the EAGLE head (default: float)")
     cal.add_argument("--draft-out", type=Path, help="FP8 head folder (default: OUT-draft)")
@@ -154,9 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     tri = sub.add_parser("triton", help="write a Triton Inference Server model repository serving an engine")
     tri.add_argument("--engine", type=Path, required=True,
-                     help="engine folder (or a folder with target/ and draft/ model folders)")
+                     help="engine folder (or a folder with target/ and draft/ model folders, or a TensorRT-LLM "
+                          "bundle with --backend tensorrt-llm)")
     tri.add_argument("--out", type=Path, required=True, help="model repository to write into")
-    tri.add_argument("--name", default="eaglex", help="model name in the repository (default: eaglex)")
+    tri.add_argument("--backend", choices=("eaglex", "tensorrt-llm"), default="eaglex",
+                     help="eaglex: the eaglex runtime in Triton's Python backend; tensorrt-llm: TensorRT-LLM's own "
+                          "llmapi model (model.yaml with the bundle's speculative config) for a bundle")
+    tri.add_argument("--name", help="model name in the repository (default: eaglex, or tensorrt_llm)")
+    tri.add_argument("--template", type=Path,
+                     help="tensorrt-llm: a copy of TensorRT-LLM's llmapi model folder (default: the container's)")
+    tri.add_argument("--max-batch-size", type=int, default=0, help="tensorrt-llm: Triton's max_batch_size")
+    tri.add_argument("--decoupled", action="store_true", help="tensorrt-llm: decoupled (streaming) model")
     tri.add_argument("--instances", type=int, default=1, help="model instances (one request each at a time)")
     tri.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
     tri.add_argument("--threads", type=int, default=0,
@@ -189,6 +201,12 @@ def open_from_args(args):
         raise ModelError("give either --engine or --target/--draft, not both")
     tree = None if args.tree in (None, "auto") else args.tree
     if args.engine is not None:
+        from eaglex.runtime.engine import layout
+        if layout(args.engine) == "bundle":            # judged by TensorRT-LLM's rules before anything runs it
+            from eaglex.engines.trtllm import installed_problems, validate_bundle
+            problems = installed_problems(validate_bundle(args.engine)["llm_api_options"])
+            if problems:
+                raise ModelError(f"the installed TensorRT-LLM rejects {args.engine}'s options: {'; '.join(problems)}")
         engine = open_engine(args.engine, method=args.method, tree=tree, dtype=args.dtype,
                              draft_kind=args.draft_kind, threads=args.threads or None)
     elif args.target is not None:
@@ -352,10 +370,16 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_triton(args) -> int:
+    if args.backend == "tensorrt-llm":
+        from eaglex.engines.triton_trtllm import write_llmapi_repository
+        model = write_llmapi_repository(args.engine, args.out, args.name or "tensorrt_llm", args.template,
+                                        args.max_batch_size, args.decoupled, args.force)
+        print(f"wrote {model} (TensorRT-LLM llmapi model for {args.engine.resolve()})")
+        return 0
     from eaglex.engines.triton.repository import write_repository
 
-    model = write_repository(args.engine, args.out, args.name, args.instances, args.max_queue_size, args.threads,
-                             "vanilla" if args.vanilla else "default", args.copy, args.force)
+    model = write_repository(args.engine, args.out, args.name or "eaglex", args.instances, args.max_queue_size,
+                             args.threads, "vanilla" if args.vanilla else "default", args.copy, args.force)
     print(f"wrote {model} (engine {args.engine.resolve()}, {args.instances} instance(s)); serve it with\n"
           f"  make serve ENGINE={args.engine}   (docs/triton.md)")
     return 0

@@ -11,13 +11,14 @@ from eaglex.prompts import BUILTIN_PROMPTS, encode, read_prompts
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import check_greedy
 
-from .presets import REPO_ROOT, Preset, get_preset, preset_folders
+from .presets import REPO_ROOT, Preset, get_preset, preset_folders, require_resources
 
 
 def make_engine(model: str, backend: str | None = None, model_dir=None, draft_dir=None, out: Path | None = None,
                 force: bool = False, max_new_tokens: int = 48) -> int:
     preset = get_preset(model)
     backend = backend or preset.backend
+    require_resources(preset, backend)               # one line, before any download, if this machine cannot
     target_dir, draft_dir = preset_folders(preset, model_dir, draft_dir)
     out = out or Path("engines") / preset.name
     if backend == "tensorrt-llm":

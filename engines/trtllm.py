@@ -40,8 +40,10 @@ from pathlib import Path
 
 from eaglex.models.errors import ModelError
 
-from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file, write_manifest
 from eaglex.fsio import check_out, staged
+from eaglex.runtime.manifest import (FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file,
+                                     write_manifest)
+from eaglex.runtime.trtllm import MIN_TRTLLM
 
 from . import trtllm_upstream as upstream
 
@@ -50,10 +52,6 @@ OPTIONS_FILE = "llm_api_options.yaml"
 TARGET, DRAFT = "target", "draft"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-# The oldest TensorRT-LLM whose Eagle3DecodingConfig field list is recorded from upstream and accepts the bundle's
-# speculative_config (trtllm_upstream.floor; tests/test_trtllm_upstream.py keeps the two equal). 1.0-1.2 may work
-# but are unverified: no field list of theirs could be recorded.
-MIN_TRTLLM = "1.3.0rc27"
 SERVING_DTYPES = ("bfloat16", "float16")
 
 

@@ -16,10 +16,17 @@ from pathlib import Path
 
 from eaglex.models.errors import ModelError
 
+from .manifest import read_manifest
+
+# The oldest TensorRT-LLM whose Eagle3DecodingConfig field list is recorded from upstream and accepts a bundle's
+# speculative_config (engines/trtllm_upstream.floor; tests/test_trtllm_upstream.py keeps the two equal). 1.0-1.2
+# may work but are unverified: no field list of theirs could be recorded.
+MIN_TRTLLM = "1.3.0rc27"
+
 NOT_INSTALLED = ("TensorRT-LLM is not installed on this machine; this bundle runs on a GPU machine with "
                  "TensorRT-LLM >= {v} (PyTorch backend; e.g. the NGC container nvcr.io/nvidia/tensorrt-llm/release, "
                  "{gpus} GPU(s), {cc}): run `eaglex generate --engine {b}` there, or `cd {b} && trtllm-serve "
-                 "./target --config llm_api_options.yaml`")
+                 "./target --extra_llm_api_options llm_api_options.yaml`")
 
 
 @dataclass(frozen=True)
@@ -46,13 +53,14 @@ def import_trtllm():
 
 
 class TrtllmRunner:
-    """Loads a validated bundle; `generate(prompts, speculative)` runs one LLM instance and releases it."""
+    """Loads a bundle (validated against TensorRT-LLM's rules when it was written, and by the CLI before opening);
+    `generate(prompts, speculative)` runs one LLM instance and releases it."""
 
     def __init__(self, bundle):
-        from eaglex.engines.trtllm import MIN_TRTLLM, validate_bundle
-
         self.bundle = Path(bundle).resolve()
-        self.manifest = validate_bundle(self.bundle)
+        self.manifest = read_manifest(self.bundle)
+        if self.manifest.get("backend") != "tensorrt-llm":
+            raise ModelError(f"{self.bundle} is not a TensorRT-LLM bundle")
         api = import_trtllm()
         if api is None:
             hw = self.manifest["hardware"]
@@ -71,6 +79,8 @@ class TrtllmRunner:
                   "tensor_parallel_size": o["tensor_parallel_size"],
                   "pipeline_parallel_size": o["pipeline_parallel_size"],
                   "kv_cache_config": self.KvCacheConfig(**o.get("kv_cache_config", {}))}
+        if o.get("dtype"):                   # the bundle's one dtype (TensorRT-LLM has no float32 kernels)
+            kwargs["dtype"] = o["dtype"]
         if speculative:
             spec = {k: v for k, v in o["speculative_config"].items() if k != "decoding_type"}
             spec["speculative_model"] = str((self.bundle / spec["speculative_model"]).resolve())

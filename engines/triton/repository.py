@@ -92,7 +92,8 @@ output [
 ]
 # engine_dir: absolute, or relative to the version folder. method: default (the engine's) or vanilla. threads:
 # intra-op threads per instance (0 = the backend's default). max_input_bytes: longest text_input accepted.
-# default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides the engine's own (tuned) tree.
+# default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides
+# the engine's own (tuned) tree.
 parameters [
 {param_lines}
 ]
