@@ -62,9 +62,13 @@ class Engine:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig = SamplingConfig(),
                  max_new_tokens: int = 128, seeds: list[int | None] | None = None,
                  stop: Callable[[], bool] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 batch: int = 1) -> list[GenerationResult]:
         """One result per prompt. Prompt i samples from its own stream: `seeds[i]` when given, else one derived
-        from (sampling.seed, i), so a prompt's output never depends on the other prompts."""
+        from (sampling.seed, i), so a prompt's output never depends on the other prompts. `batch` > 1 decodes up
+        to that many prompts at once through the in-flight batcher (runtime/batch.py), with the same outputs."""
+        if batch > 1:
+            return self._generate_batched(prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch)
         results = []
         for i, ids in enumerate(prompts):
             seed = seeds[i] if seeds is not None and seeds[i] is not None else derive_seed(sampling.seed, i)
@@ -75,6 +79,39 @@ class Engine:
             except ValueError as e:             # a prompt that does not fit this model: one line for the user
                 raise ModelError(f"prompt {i}: {e}") from None
         return results
+
+
+    def batch_schedule(self):
+        """The batch schedule this engine runs: the manifest's measured `batch_schedule` (engines/tune.py), else
+        the engine's own tree as a chain at every batch size (see batch.chain_for), or vanilla batching."""
+        from .batch import Schedule, chain_for
+        stored = (self.manifest or {}).get("batch_schedule")
+        if self.method == "vanilla":
+            return Schedule.fixed(None)
+        return Schedule.parse(stored) if stored else Schedule.fixed(chain_for(self.tree))
+
+    def batcher(self, max_batch: int, schedule=None):
+        """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights)."""
+        from .batch import BatchedGenerator
+        from .batch_backend import batch_backend
+        schedule = schedule or self.batch_schedule()
+        return BatchedGenerator(batch_backend(self.backend, max_batch, schedule.max_nodes), schedule)
+
+    def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
+        gen = self.batcher(batch)
+        reqs = []
+        for i, ids in enumerate(prompts):
+            seed = seeds[i] if seeds is not None and seeds[i] is not None else derive_seed(sampling.seed, i)
+            emit = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens else None
+            try:
+                reqs.append(gen.submit(ids, max_new_tokens, replace(sampling, seed=seed), emit, stop))
+            except ValueError as e:
+                raise ModelError(f"prompt {i}: {e}") from None
+        gen.run()
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return [r.result for r in reqs]
 
 
 def layout(path: str | Path) -> str:

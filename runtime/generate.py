@@ -123,6 +123,23 @@ class _Emitter:
         return len(taken)
 
 
+def start_request(spec, input_ids: list[int], max_new_tokens: int, on_tokens=None, stop=None
+                  ) -> tuple[GenerationResult, _Emitter]:
+    """Check a request against the target (ValueError says what is wrong) -> its result and emitter. Every
+    generator, one request at a time or batched (batch.py), starts a request here."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    n = len(input_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if n >= spec.max_context:
+        raise ValueError(f"the prompt has {n} tokens; the target's context holds {spec.max_context}")
+    if min(input_ids) < 0 or max(input_ids) >= spec.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {spec.vocab_size})")
+    result = GenerationResult(input_ids=list(input_ids))
+    return result, _Emitter(result, max_new_tokens, spec.eos_ids, spec.max_context - n, on_tokens, stop)
+
+
 class _Base:
     def __init__(self, backend: Backend, sampling: SamplingConfig = SamplingConfig()):
         self.backend, self.sampling = backend, sampling
@@ -135,17 +152,7 @@ class _Base:
         return int(sample(logits_to_probs(logits, self.sampling), gen))
 
     def _start(self, input_ids, max_new_tokens, extra_rows, on_tokens, stop):
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        n = len(input_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.spec.max_context:
-            raise ValueError(f"the prompt has {n} tokens; the target's context holds {self.spec.max_context}")
-        if min(input_ids) < 0 or max(input_ids) >= self.spec.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
-        result = GenerationResult(input_ids=list(input_ids))
-        emitter = _Emitter(result, max_new_tokens, self.spec.eos_ids, self.spec.max_context - n, on_tokens, stop)
+        result, emitter = start_request(self.spec, input_ids, max_new_tokens, on_tokens, stop)
         self.backend.reset(self.spec.max_context + extra_rows)
         gen = torch.Generator().manual_seed(self.sampling.seed)
         return result, emitter, gen

@@ -1,0 +1,320 @@
+"""In-flight batching: one model copy decodes many requests, which join and leave between steps.
+
+Each request has its own KV slot (target and draft, runtime/batch_backend.py), sampling settings, seed stream,
+stop rules (generate.start_request: the same emitter as the single-request loops) and GenerationResult. A step
+either decodes one token for every active request in one target forward (vanilla batching), or drafts a chain of
+K tokens for every request (the same K for all, one batched draft forward per level), verifies all chains in one
+target forward of B x (K + 1) rows and keeps each request's accepted prefix. A `Schedule` picks K (or vanilla) by
+the number of active requests, so that speculation is turned down as the batch grows.
+
+Prefill stays out of the batched forwards: a joining request's prompt runs alone on its slot, and the draft's
+context catches up lazily (rows that fell behind by more than one cycle, e.g. after vanilla steps or a prefill,
+extend alone; the others extend together, padded to the longest).
+
+Exactness: a request's greedy tokens are the target's argmax given its own context, whatever else is in the
+batch; sampling draws from the request's own torch.Generator (seeded by its SamplingConfig.seed), through the same
+verify_sampling as one request alone. The batched forwards round differently from a request alone at the 1e-5
+level (see batch_backend.py), as the single-request speculative path already does.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .generate import GenerationResult, start_request
+from .sampling import argmax, logits_to_probs, sample
+from .tree import chain_tree
+from .types import SamplingConfig, TreeConfig
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Tree by number of active requests: `steps` ((from_active, tree or None = vanilla), ...) ascending; the last
+    step whose from_active <= active applies. Spelled "1:chain:4,4:chain:2,8:vanilla" (parse / str)."""
+    steps: tuple[tuple[int, TreeConfig | None], ...]
+
+    def __post_init__(self):
+        if not self.steps or self.steps[0][0] != 1:
+            raise ValueError("a schedule starts at 1 active request")
+        if [a for a, _ in self.steps] != sorted({a for a, _ in self.steps}):
+            raise ValueError("schedule steps must be strictly ascending")
+        for _, tree in self.steps:
+            if tree is not None and tree.kind != "chain":
+                raise ValueError(f"batched decoding drafts chains (every request the same length), not {tree}")
+
+    @classmethod
+    def fixed(cls, tree: TreeConfig | None) -> "Schedule":
+        return cls(((1, tree),))
+
+    @classmethod
+    def parse(cls, text: str) -> "Schedule":
+        steps = []
+        for part in str(text).split(","):
+            active, sep, tree = part.strip().partition(":")
+            if not sep or not active.isdigit():
+                raise ValueError(f"bad schedule {text!r}: use ACTIVE:TREE,... e.g. 1:chain:4,4:chain:2,8:vanilla")
+            steps.append((int(active), None if tree == "vanilla" else TreeConfig.parse(tree)))
+        return cls(tuple(steps))
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}:{t or 'vanilla'}" for a, t in self.steps)
+
+    def tree(self, active: int) -> TreeConfig | None:
+        return [t for a, t in self.steps if a <= active][-1]
+
+    @property
+    def max_nodes(self) -> int:
+        return max((t.max_nodes for _, t in self.steps if t is not None), default=1)
+
+
+def chain_for(tree: TreeConfig | None) -> TreeConfig | None:
+    """The chain a batch drafts for an engine whose single-request tree is `tree` (its depth, at most 4)."""
+    if tree is None:
+        return None
+    return tree if tree.kind == "chain" else TreeConfig.chain(min(tree.depth, 4))
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside the batcher; `result` fills as it decodes, `done` once it left the batch."""
+    index: int
+    input_ids: list[int]
+    sampling: SamplingConfig
+    result: GenerationResult
+    emitter: object
+    submitted: float
+    generator: torch.Generator = None
+    admitted: float | None = None          # perf_counter time its prefill started
+    first_token_at: float | None = None   # perf_counter time of the first token (TTFT = first_token_at - submitted)
+    finished_at: float | None = None
+    error: BaseException | None = None
+    done: bool = False
+    # decoding state
+    root: int = 0                          # last emitted token, not yet in the target's cache
+    length: int = 0                        # committed target rows = position of the root
+    behind_feats: list = field(default_factory=list)   # target features the draft has not read yet ([n,F] each)
+    behind_ids: list = field(default_factory=list)     # the token after each of those positions
+    seed: tuple | None = None              # the draft's (hidden [H], top-1 id) after its last committed row
+
+
+class BatchedGenerator:
+    """submit() requests at any time; step() admits queued requests into free slots, runs one cycle for every
+    active request and returns the requests that finished. run() steps until nothing is left."""
+
+    def __init__(self, backend, schedule: Schedule | None = None):
+        """`backend`: a TorchBatchBackend; `schedule`: None = vanilla batching."""
+        if schedule is not None and any(t is not None for _, t in schedule.steps) and backend.draft_kind is None:
+            raise ValueError("speculative decoding needs a draft head")
+        self.backend, self.spec = backend, backend.spec
+        self.schedule = schedule or Schedule.fixed(None)
+        self.queue: deque[Request] = deque()
+        self.active: list[Request] = []           # active[i] owns slot i
+        self.submitted = 0
+        self.steps = 0
+        self.last_tree: TreeConfig | None = None   # what the last step ran
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    def submit(self, input_ids: list[int], max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),
+               on_tokens: Callable[[list[int]], None] | None = None,
+               stop: Callable[[], bool] | None = None) -> Request:
+        """Queue a request (ValueError when it does not fit the target; nothing is queued then)."""
+        result, emitter = start_request(self.spec, input_ids, max_new_tokens, on_tokens, stop)
+        req = Request(self.submitted, list(input_ids), sampling, result, emitter, time.perf_counter(),
+                      torch.Generator().manual_seed(sampling.seed))
+        self.submitted += 1
+        self.queue.append(req)
+        return req
+
+    def run(self) -> None:
+        while self.queue or self.active:
+            self.step()
+
+    # ------------------------------------------------------------------------------------------------ one step
+
+    def step(self) -> list[Request]:
+        finished = self._admit()
+        if self.active:
+            tree = self.schedule.tree(len(self.active))
+            self.last_tree = tree
+            self.steps += 1
+            if tree is None:
+                self._vanilla_step()
+            else:
+                self._chain_step(tree.depth)
+            finished += self._retire()
+        return finished
+
+    def _admit(self) -> list[Request]:
+        finished = []
+        while self.queue and len(self.active) < self.backend.slots:
+            req = self.queue.popleft()
+            slot = len(self.active)
+            if req.emitter.done:                    # max_new_tokens 0 or no room: finished before it started
+                finished.append(self._finish(req))
+                continue
+            t0 = time.perf_counter()
+            req.admitted = t0
+            ids = torch.tensor([req.input_ids])
+            n = ids.shape[1]
+            logits, feats = self._timed("target", [req], self.backend.target_forward, slice(slot, slot + 1), ids,
+                                        torch.arange(n).unsqueeze(0), None, True)
+            self.backend.tcache.commit(slot, torch.arange(n))
+            req.length = n
+            self._emit(req, [self._pick(req, logits[0, -1])])
+            req.result.prefill_seconds = time.perf_counter() - t0
+            req.result.prefill_target_seconds = req.result.target_seconds
+            if req.done:
+                self._clear(slot)
+                finished.append(self._finish(req))
+                continue
+            if self.backend.draft_kind is not None:
+                req.behind_feats, req.behind_ids = [feats[0]], req.input_ids[1:] + [req.root]
+            self.active.append(req)
+        return finished
+
+    def _vanilla_step(self) -> None:
+        rows, B = self.active, len(self.active)
+        ids = torch.tensor([[r.root] for r in rows])
+        pos = torch.tensor([[r.length] for r in rows])
+        logits, feats = self._timed("target", rows, self.backend.target_forward, slice(0, B), ids, pos, None, True)
+        keep = torch.arange(1)
+        for i, r in enumerate(rows):
+            self.backend.tcache.commit(i, keep)
+            r.length += 1
+            token = self._pick(r, logits[i, -1])
+            if self.backend.draft_kind is not None:    # the draft reads these when speculation resumes
+                r.behind_feats.append(feats[i])
+                r.behind_ids.append(token)
+            r.result.cycles += 1
+            r.result.accept_lengths.append(self._emit(r, [token]))
+
+    def _chain_step(self, K: int) -> None:
+        rows, B = self.active, len(self.active)
+        self._catch_up(K)
+        backend = self.backend
+        tokens = torch.empty(B, K + 1, dtype=torch.long)
+        tokens[:, 0] = torch.tensor([r.root for r in rows])
+        tokens[:, 1] = torch.tensor([r.seed[1] for r in rows])
+        hidden = torch.stack([r.seed[0] for r in rows]).unsqueeze(1)                 # [B,1,H]
+        base = torch.tensor([[r.length] for r in rows])                              # [B,1] root positions
+        for i in range(K - 1):
+            h, _, top = self._timed("draft", rows, backend.draft_forward, slice(0, B), hidden,
+                                    tokens[:, i + 1:i + 2], base + i, None, False, 1)
+            hidden, tokens[:, i + 2] = h, top[:, 0, 0]
+        backend.dcache.rollback(slice(0, B))
+        logits, feats = self._timed("target", rows, backend.target_forward, slice(0, B), tokens,
+                                    base + torch.arange(K + 1), None)
+        for i, r in enumerate(rows):
+            tree = chain_tree(tokens[i])
+            if r.sampling.greedy:
+                verdict = verify_greedy(tree, logits[i])
+            else:
+                verdict = verify_sampling(tree, logits[i], r.sampling, r.generator)
+            backend.tcache.commit(i, verdict.nodes)
+            accepted = tokens[i, verdict.nodes[1:]].tolist()
+            r.result.cycles += 1
+            r.result.accept_lengths.append(self._emit(r, accepted + [verdict.next_token]))
+            r.behind_feats, r.behind_ids = [feats[i, verdict.nodes]], accepted + [verdict.next_token]
+            r.length += int(verdict.nodes.shape[0])
+
+    def _catch_up(self, K: int) -> None:
+        """Extend every row's draft context by what it has not read: rows more than one cycle behind alone, the
+        others in one forward padded to the longest (padding rows are written as pending and never committed)."""
+        backend, rows = self.backend, self.active
+        short = []
+        for i, r in enumerate(rows):
+            n = sum(len(f) for f in r.behind_feats)
+            if n > K + 1:
+                self._extend(slice(i, i + 1), [r])
+            elif n:
+                short.append(i)
+        if short:
+            self._extend(slice(0, len(rows)), rows)
+
+    def _extend(self, sl: slice, rows: list[Request]) -> None:
+        backend = self.backend
+        feats = [torch.cat(r.behind_feats) if r.behind_feats else None for r in rows]
+        lens = [0 if f is None else f.shape[0] for f in feats]
+        M, F = max(lens), next(f for f in feats if f is not None).shape[1]
+        hidden = torch.zeros(len(rows), M, F, dtype=feats[lens.index(M)].dtype)
+        ids = torch.zeros(len(rows), M, dtype=torch.long)
+        for j, (r, f, n) in enumerate(zip(rows, feats, lens)):
+            if n:
+                hidden[j, :n], ids[j, :n] = f, torch.tensor(r.behind_ids)
+        start = torch.tensor([[backend.dcache.length[sl.start + j]] for j in range(len(rows))])
+        h, _, top = self._timed("draft", rows, backend.draft_forward, sl, hidden, ids, start + torch.arange(M),
+                                None, True, 1)
+        for j, (r, n) in enumerate(zip(rows, lens)):
+            backend.dcache.commit(sl.start + j, torch.arange(n))
+            if n:
+                r.seed = (h[j, n - 1], int(top[j, n - 1, 0]))
+                r.behind_feats, r.behind_ids = [], []
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _timed(self, kind: str, rows: list[Request], fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        dt = time.perf_counter() - t
+        for r in rows:
+            if kind == "target":
+                r.result.target_seconds += dt
+            else:
+                r.result.draft_seconds += dt
+        return out
+
+    @staticmethod
+    def _pick(req: Request, logits: torch.Tensor) -> int:
+        if req.sampling.greedy:
+            return int(argmax(logits))
+        return int(sample(logits_to_probs(logits, req.sampling), req.generator))
+
+    def _emit(self, req: Request, tokens: list[int]) -> int:
+        """Emit through the request's stop rules; a callback that raises ends that request alone."""
+        try:
+            taken = req.emitter.emit(tokens)
+        except Exception as e:  # noqa: BLE001 - a caller's hook failing must not take the batch down
+            req.error, req.done = e, True
+            req.result.stop_reason = "error"
+            return len(tokens)
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.root = tokens[taken - 1] if taken else req.root
+        req.done = req.emitter.done
+        return taken
+
+    def _retire(self) -> list[Request]:
+        finished = []
+        for i in range(len(self.active) - 1, -1, -1):
+            req = self.active[i]
+            if not req.done:
+                continue
+            last = len(self.active) - 1
+            if i != last:                                   # keep slots contiguous: the last row moves in
+                for c in self.backend.caches():
+                    c.move(last, i)
+                self.active[i] = self.active[last]
+            else:
+                self._clear(i)
+            self.active.pop()
+            finished.append(self._finish(req))
+        return finished
+
+    def _clear(self, slot: int) -> None:
+        for c in self.backend.caches():
+            c.clear(slot)
+
+    @staticmethod
+    def _finish(req: Request) -> Request:
+        req.done = True
+        req.finished_at = time.perf_counter()
+        req.result.seconds = req.finished_at - (req.admitted or req.finished_at)
+        return req

@@ -1,0 +1,157 @@
+"""Batched execution for the in-flight batcher (runtime/batch.py): one copy of the target and draft, many requests.
+
+Each request owns a KV *slot* (target and draft at the same index) in preallocated per-layer buffers
+[slots, Hkv, capacity, D]. Active requests occupy slots 0..B-1 (the batcher moves the last one into a freed slot),
+so a batched forward reads one contiguous view. Row r's committed keys sit at columns [0, length[r]), exactly
+where a request decoded alone keeps them; a forward writes its N new rows after the row's own committed + pending
+rows, and each row's mask hides everything past its own rows (trailing padding up to the longest row).
+
+Forwards take `rows`, a slice of slots: the batch (0..B) or one slot (a request's prefill, run alone). Masks
+cover the uncommitted rows of each row ([B, N, pending + N] bool, None = causal), as in runtime/backend.py.
+
+Numerics (fp32, measured on the embedded default model): a row's logits inside a batched forward are not bit-identical
+to the same row decoded alone, on either backend. PyTorch CPU GEMMs pick kernels by the number of rows M (M = 1,
+2-6 and >= 7 give three different roundings of the same row); ONNX Runtime's MLAS GEMMs are row-invariant (a row
+whose KV length equals the batch's is bit-identical alone and batched), but its attention rounds differently
+when masked padding columns lengthen the row. The differences are ~1e-5 on logits of magnitude ~10, the same
+order as between a speculative tree verification and a one-token decode of the same request, which the
+single-request path already accepts: greedy output is equal unless two logits tie within that. tests/test_batch.py
+measures both and checks the outputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from eaglex.models.target import DTYPES
+
+
+class SlotCache:
+    """Per-slot KV buffers for `layers` layers (models.target.LayerCache over a slice of slots)."""
+
+    def __init__(self, layers: int, slots: int, heads: int, dim: int, capacity: int, dtype: torch.dtype):
+        shape = (layers, slots, heads, capacity, dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.layers, self.capacity = layers, capacity
+        self.length = [0] * slots      # committed rows per slot
+        self.pending = [0] * slots     # rows written since the slot's last commit / rollback
+        self._rows = slice(0, 0)
+
+    @property
+    def slot_bytes(self) -> int:
+        """KV memory of one slot (keys + values, all layers, full capacity)."""
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def begin(self, rows: slice, n: int) -> tuple[torch.Tensor, int]:
+        """Prepare a forward of n rows over slots `rows`: -> (start column of each row [B], total columns T)."""
+        starts = [self.length[s] + self.pending[s] for s in range(rows.start, rows.stop)]
+        end = max(starts) + n
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+        self._rows, self._cols = rows, torch.tensor(starts)[:, None] + torch.arange(n)   # [B,N] write columns
+        return torch.tensor(starts), end
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, end = self._rows, int(self._cols.max()) + 1
+        B = rows.stop - rows.start
+        slot = torch.arange(B)[:, None].expand_as(self._cols)
+        # [B,Hkv,C,D] viewed as [B,C,Hkv,D]: one indexed write of every row's N new keys at its own columns
+        self.k[layer, rows].permute(0, 2, 1, 3)[slot, self._cols] = k.transpose(1, 2)
+        self.v[layer, rows].permute(0, 2, 1, 3)[slot, self._cols] = v.transpose(1, 2)
+        if layer == self.layers - 1:
+            n = k.shape[2]
+            for s in range(rows.start, rows.stop):
+                self.pending[s] += n
+        return self.k[layer, rows, :, :end], self.v[layer, rows, :, :end]
+
+    def commit(self, slot: int, keep: torch.Tensor) -> None:
+        """keep [K] int64: the slot's pending rows (in order) that become committed rows."""
+        n, length = int(keep.shape[0]), self.length[slot]
+        src = keep + length
+        if n and not torch.equal(src, torch.arange(length, length + n)):
+            self.k[:, slot, :, length:length + n] = self.k[:, slot].index_select(2, src)
+            self.v[:, slot, :, length:length + n] = self.v[:, slot].index_select(2, src)
+        self.length[slot] += n
+        self.pending[slot] = 0
+
+    def rollback(self, rows: slice) -> None:
+        for s in range(rows.start, rows.stop):
+            self.pending[s] = 0
+
+    def clear(self, slot: int) -> None:
+        self.length[slot] = self.pending[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot src's committed rows into slot dst (the batcher keeps active slots contiguous)."""
+        n = self.length[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.length[dst], self.pending[dst] = n, 0
+        self.clear(src)
+
+    def mask(self, rows: slice, starts: torch.Tensor, end: int, mask: torch.Tensor | None, n: int) -> torch.Tensor:
+        """[B,1,N,end] bool: each row sees its committed rows, then `mask` over its pending + new rows."""
+        B = rows.stop - rows.start
+        cols = torch.arange(end)
+        length = torch.tensor(self.length[rows])
+        out = (cols < length[:, None])[:, None, :].expand(B, n, end).clone()        # [B,N,end] committed
+        if mask is None:
+            new = starts[:, None] + torch.arange(n)                                  # [B,N] own column of each row
+            out |= (cols >= length[:, None, None]) & (cols <= new[:, :, None])
+        else:
+            P = mask.shape[-1]
+            idx = length[:, None] + torch.arange(P)                                  # [B,P] columns mask covers
+            out.scatter_(2, idx[:, None, :].expand(B, n, P), mask)
+        return out.unsqueeze(1)
+
+
+class TorchBatchBackend:
+    """Slots over a TorchBackend's models (the same modules: no second copy of the weights)."""
+
+    def __init__(self, backend, slots: int, extra_rows: int = 0):
+        """`backend`: a runtime.torch_backend.TorchBackend; `extra_rows`: room past the context for one tree."""
+        self.target, self.draft = backend.target, backend.draft
+        self.spec, self.draft_kind, self.dtype = backend.spec, backend.draft_kind, backend.dtype
+        self.slots = slots
+        s, dt = self.spec, DTYPES[backend.dtype]
+        cap = s.max_context + extra_rows
+        self.tcache = SlotCache(s.num_layers, slots, s.num_kv_heads, s.head_dim, cap, dt)
+        self.dcache = None
+        if self.draft is not None:
+            d = self.draft.spec
+            self.dcache = SlotCache(1, slots, d.num_kv_heads, d.head_dim, cap, dt)
+
+    @property
+    def slot_bytes(self) -> int:
+        """KV memory per slot, target + draft."""
+        return self.tcache.slot_bytes + (self.dcache.slot_bytes if self.dcache is not None else 0)
+
+    def caches(self):
+        return [c for c in (self.tcache, self.dcache) if c is not None]
+
+    @torch.inference_mode()
+    def target_forward(self, rows: slice, input_ids, position_ids, mask=None, last_only=False):
+        """input_ids/position_ids [B,N] for slots `rows` -> logits [B,N|1,V] f32, features [B,N,F]."""
+        c, N = self.tcache, input_ids.shape[1]
+        starts, end = c.begin(rows, N)
+        attn = c.mask(rows, starts, end, mask, N)
+        return self.target(input_ids, position_ids, attn, c, "last" if last_only else "all")
+
+    @torch.inference_mode()
+    def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int):
+        """One draft step over slots `rows` -> (hidden_out [B,N,H], top log-probs [B,N,k], top target ids [B,N,k])."""
+        c, N = self.dcache, input_ids.shape[1]
+        starts, end = c.begin(rows, N)
+        attn = c.mask(rows, starts, end, mask, N)
+        h = self.draft(hidden.to(self.draft.fc.weight.dtype), input_ids, position_ids, attn, c, project)
+        logp, ids = self.draft.log_probs(h).topk(top_k, dim=-1)
+        return h, logp, self.draft.to_target_ids(ids)
+
+
+def batch_backend(backend, slots: int, extra_rows: int = 0):
+    """The batched backend over an opened Backend's models."""
+    if slots < 1:
+        raise ValueError(f"the batch needs at least one slot, got {slots}")
+    if not hasattr(backend, "target"):
+        raise ValueError("batched decoding runs on the PyTorch backend (a checkpoint or model folders) for now")
+    return TorchBatchBackend(backend, slots, extra_rows)
