@@ -200,10 +200,10 @@ def load_for_calibration(path, dtype: str, placement: memory.Placement):
     read tensor by tensor into process memory (pread, no memory map; converted to `dtype` one tensor at a time), so
     that RAM holds one copy of the weights and ModelOpt's in-place FP8 export releases them; on GPUs transformers
     loads shard by shard onto the device map."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from eaglex.models.target import DTYPES, Target, TargetSpec
+    from eaglex.models.target import DTYPES, Target, load_error, spec_from_config
 
     hf_logging.disable_progress_bar()
     path = Path(path)
@@ -240,22 +240,9 @@ def load_for_calibration(path, dtype: str, placement: memory.Placement):
     except ModelError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to decode the user's files is bad input, said in one line
-        raise ModelError(f"cannot load the target from {path}: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
+        raise load_error(path, e) from None
     model.eval().requires_grad_(False)
-    eos = config.eos_token_id
-    try:
-        gen = GenerationConfig.from_pretrained(path)
-        eos = gen.eos_token_id if gen.eos_token_id is not None else eos
-    except OSError:
-        pass
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    spec = TargetSpec(arch=config.architectures[0], num_layers=config.num_hidden_layers,
-                      hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-                      num_kv_heads=config.num_key_value_heads or config.num_attention_heads, head_dim=head_dim,
-                      vocab_size=config.vocab_size, max_context=config.max_position_embeddings, eos_ids=eos_ids)
-    return Target(model, spec)
+    return Target(model, spec_from_config(config, path))
 
 
 def _read_state(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:

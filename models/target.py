@@ -174,7 +174,7 @@ def _has_weights(path: Path) -> bool:
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
     """Load a local Hugging Face folder (no remote code) as a Target."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()   # our own commands show progress where it matters
@@ -190,9 +190,21 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - any failure to decode the user's files is bad input, said in one line
-        raise ModelError(f"cannot load the target from {path}: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
+        raise load_error(path, e) from None
     model.eval().requires_grad_(False)
+    return Target(model, spec_from_config(config, path))
+
+
+def load_error(path: Path, e: Exception) -> ModelError:
+    """One line for a model folder transformers could not load."""
+    return ModelError(f"cannot load the target from {path}: {type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0][:200]}")
+
+
+def spec_from_config(config, path: Path) -> TargetSpec:
+    """The TargetSpec of a loaded Hugging Face config; EOS ids from the folder's generation config when it has one."""
+    from transformers import GenerationConfig
+
     eos = config.eos_token_id
     try:
         gen = GenerationConfig.from_pretrained(path)
@@ -204,8 +216,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         max_ctx = min(max_ctx, config.sliding_window)   # beyond the window Mistral attends differently
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    spec = TargetSpec(arch=arch, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                      num_heads=config.num_attention_heads,
+    return TargetSpec(arch=config.architectures[0], num_layers=config.num_hidden_layers,
+                      hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                       num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
                       head_dim=head_dim, vocab_size=config.vocab_size, max_context=max_ctx, eos_ids=eos_ids)
-    return Target(model, spec)
