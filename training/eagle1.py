@@ -44,19 +44,11 @@ def head_config(target: Target, cfg: Eagle1Config, eos_id: int | None) -> dict:
     t, hf = target.spec, target.hf.config
     rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", 10000.0)
     return {
-        **layer_config(target, cfg),
+        **layer_config(target, cfg, eos_id),
         "max_position_embeddings": t.max_context,
         "rope_theta": float(rope_theta),
         "rope_scaling": None,
         "bias": True,
-        "vocab_size": t.vocab_size,
-        "pad_token_id": 0,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-        "initializer_range": 0.02,
-        "use_cache": True,
     }
 
 

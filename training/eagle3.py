@@ -70,17 +70,9 @@ def head_config(target: Target, cfg: Eagle3Config, eos_id: int | None) -> dict:
     """config.json of the official LLaMA-3.1 EAGLE-3 head, sized for `target` (no rope_theta: θ = 10000)."""
     t = target.spec
     return {
-        **layer_config(target, cfg),
+        **layer_config(target, cfg, eos_id),
         "max_position_embeddings": 2048,
-        "vocab_size": t.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
-        "pad_token_id": 0,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-        "initializer_range": 0.02,
-        "use_cache": True,
     }
 
 

@@ -35,9 +35,9 @@ def new_head(target: Target, config: dict, kind: str) -> DraftHead:
     return head.float().train().requires_grad_(True)
 
 
-def layer_config(target: Target, cfg) -> dict:
+def layer_config(target: Target, cfg, eos_id: int | None) -> dict:
     """The config.json keys every head shares: one Llama decoder layer sized from `cfg` (intermediate_size,
-    num_heads, num_kv_heads; 0 = the target's)."""
+    num_heads, num_kv_heads; 0 = the target's), the target's vocabulary and EOS, the official heads' dtype."""
     t, hf = target.spec, target.hf.config
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -49,6 +49,14 @@ def layer_config(target: Target, cfg) -> dict:
         "num_hidden_layers": 1,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-05,
+        "vocab_size": t.vocab_size,
+        "pad_token_id": 0,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
 
 
