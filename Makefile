@@ -58,7 +58,7 @@ bench_tiny_quant = [ -d engines/tiny-$(1) ] || $(BIN)/eaglex build --target mode
 BENCH_BIG        ?= build/bench-big
 BENCH_BIG_ENGINE ?= engines/bench-big
 BENCH_BIG_OUT    ?= build/bench-big.json
-BENCH_BIG_TREES  ?= chain:2,chain:3,chain:4,chain:5,dynamic:8/4/3,auto
+BENCH_BIG_TREES  ?= chain:3,chain:4,chain:5,chain:6,dynamic:8/5/3,auto
 BENCH_BIG_ARGS   ?= --max-new-tokens 64
 bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and a seeded 0.5B target ($(BENCH_BIG_OUT))
 	@if [ -d models/tiny/target ] && [ ! -d engines/tiny ]; then $(MAKE) engine; fi
