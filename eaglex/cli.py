@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", type=Path,
                      help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line, optionally with "seed"')
     gen.add_argument("--out", type=Path, help="write one JSON line per prompt here instead of printing text")
+    gen.add_argument("--batch", type=int, default=1,
+                     help="decode up to N prompts at once (in-flight batching, one model copy); same outputs")
 
     chk = sub.add_parser("check", help="compare speculative with vanilla on the same backend; exit 1 on mismatch")
     _model_args(chk)
@@ -249,7 +251,9 @@ def cmd_generate(args) -> int:
     engine = open_from_args(args)
     prompts, seeds = prompts_from_args(args, engine)
     resolve_auto(args, engine, prompts)
-    results = engine.generate(prompts, sampling_from_args(args), args.max_new_tokens, seeds)
+    if args.batch < 1:
+        raise ModelError(f"--batch must be >= 1, got {args.batch}")
+    results = engine.generate(prompts, sampling_from_args(args), args.max_new_tokens, seeds, batch=args.batch)
     tok = engine.tokenizer
     if args.out:
         args.out.write_text("".join(json.dumps(r.to_json()) + "\n" for r in results))

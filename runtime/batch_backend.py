@@ -149,9 +149,10 @@ class TorchBatchBackend:
 
 
 def batch_backend(backend, slots: int, extra_rows: int = 0):
-    """The batched backend over an opened Backend's models."""
+    """The batched backend over an opened Backend's models: TorchBatchBackend, or OrtBatchBackend for an engine."""
     if slots < 1:
         raise ValueError(f"the batch needs at least one slot, got {slots}")
-    if not hasattr(backend, "target"):
-        raise ValueError("batched decoding runs on the PyTorch backend (a checkpoint or model folders) for now")
+    if hasattr(backend, "target_sess"):
+        from .ort_batch import OrtBatchBackend
+        return OrtBatchBackend(backend, slots, extra_rows)
     return TorchBatchBackend(backend, slots, extra_rows)
