@@ -8,6 +8,8 @@ import platform
 import sys
 
 from eaglex.runtime.autotune import autotune
+from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, tune_schedule
+from eaglex.runtime.batch_backend import batch_backend
 from eaglex.runtime.manifest import read_manifest, write_manifest
 
 
@@ -23,7 +25,7 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
     log("tuning the tree on this machine (vanilla vs chains and trees, interleaved) ...")
     best, rows = autotune(engine.backend, prompts[:4], max_new_tokens=32)
     for r in rows:
-        log(f"  {str(r.tree or 'vanilla'):<18} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
+        log(f"  {r.tree or 'vanilla'!s:<18} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
     best_row = next(r for r in rows[1:] if r.tree == best)
     note = "" if best_row.tokens_per_s > rows[0].tokens_per_s else \
         " (vanilla is faster here: this model is too small for drafting to pay off on this machine)"
@@ -33,7 +35,29 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
         manifest["tree"] = str(best)
         manifest["tuning"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                               "tokens_per_s": {str(r.tree or "vanilla"): round(r.tokens_per_s, 2) for r in rows}}
-        try:
-            write_manifest(engine.path, manifest)
-        except OSError as e:                 # a read-only deployment: the shape still applies to this process
-            print(f"eaglex: could not store the tuned tree in {engine.path} ({e})", file=sys.stderr)
+        tune_batching(engine, prompts, manifest, log, write=False)
+        _write(engine, manifest, "tuned tree")
+
+
+def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, write: bool = True) -> None:
+    """Measure the batch schedule (runtime/batch.tune_schedule: vanilla batching vs chains at 1..16 requests in
+    flight) and store it as the manifest's `batch_schedule`, with the measured table under tuning.batch."""
+    log("tuning in-flight batching (vanilla vs chains at 1, 2, 4, 8, 16 requests) ...")
+    backend = batch_backend(engine.backend, max(BATCH_SIZES), max(BATCH_CHAINS) + 1)
+    schedule, table = tune_schedule(backend, prompts)
+    for size, row in table.items():
+        log(f"  {size:>2} requests: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()) + " tokens/s")
+    log(f"  -> {schedule}")
+    manifest["batch_schedule"] = str(schedule)
+    if engine.manifest is not None:      # the open engine runs it from now on, as the folder does once written
+        engine.manifest["batch_schedule"] = str(schedule)
+    manifest.setdefault("tuning", {})["batch"] = {str(k): v for k, v in table.items()}
+    if write:
+        _write(engine, manifest, "batch schedule")
+
+
+def _write(engine, manifest: dict, what: str) -> None:
+    try:
+        write_manifest(engine.path, manifest)
+    except OSError as e:                 # a read-only deployment: the shape still applies to this process
+        print(f"eaglex: could not store the {what} in {engine.path} ({e})", file=sys.stderr)

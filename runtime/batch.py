@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -48,11 +48,11 @@ class Schedule:
                 raise ValueError(f"batched decoding drafts chains (every request the same length), not {tree}")
 
     @classmethod
-    def fixed(cls, tree: TreeConfig | None) -> "Schedule":
+    def fixed(cls, tree: TreeConfig | None) -> Schedule:
         return cls(((1, tree),))
 
     @classmethod
-    def parse(cls, text: str) -> "Schedule":
+    def parse(cls, text: str) -> Schedule:
         steps = []
         for part in str(text).split(","):
             active, sep, tree = part.strip().partition(":")
@@ -228,7 +228,7 @@ class BatchedGenerator:
     def _catch_up(self, K: int) -> None:
         """Extend every row's draft context by what it has not read: rows more than one cycle behind alone, the
         others in one forward padded to the longest (padding rows are written as pending and never committed)."""
-        backend, rows = self.backend, self.active
+        rows = self.active
         short = []
         for i, r in enumerate(rows):
             n = sum(len(f) for f in r.behind_feats)
@@ -318,3 +318,41 @@ class BatchedGenerator:
         req.finished_at = time.perf_counter()
         req.result.seconds = req.finished_at - (req.admitted or req.finished_at)
         return req
+
+
+BATCH_SIZES = (1, 2, 4, 8, 16)
+BATCH_CHAINS = (1, 2, 3, 4)
+
+
+def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BATCH_SIZES,
+                  chains: tuple[int, ...] = BATCH_CHAINS, max_new_tokens: int = 24
+                  ) -> tuple[Schedule, dict[int, dict[str, float]]]:
+    """Measure, for each batch size B, aggregate tokens/s of vanilla batching and of each chain with B requests in
+    flight (prompts cycled; candidates interleaved per size), and keep the fastest at each B: vanilla unless a chain
+    beats it there, so the schedule never runs speculation where it measured slower than vanilla batching.
+    `backend`: a batched backend with at least max(sizes) slots. -> (schedule, {B: {tree: tokens/s}})."""
+    candidates = [None] + [TreeConfig.chain(k) for k in chains] if backend.draft_kind else [None]
+    table: dict[int, dict[str, float]] = {}
+    best: list[tuple[int, TreeConfig | None]] = []
+    warm = BatchedGenerator(backend, Schedule.fixed(candidates[-1]))
+    warm.submit(prompts[0], 4)
+    warm.run()
+    for B in sizes:
+        rates = {}
+        for tree in candidates:
+            gen = BatchedGenerator(backend, Schedule.fixed(tree))
+            for i in range(B):
+                gen.submit(prompts[i % len(prompts)], max_new_tokens)
+            gen.step()                      # admission (prefills) is the same for every candidate: not timed
+            t = time.perf_counter()
+            tokens = -sum(len(r.result.output_ids) for r in gen.active)
+            done = []
+            while gen.active:
+                done += gen.step()
+            tokens += sum(len(r.result.output_ids) for r in done)
+            rates[str(tree or "vanilla")] = tokens / max(time.perf_counter() - t, 1e-9)
+        table[B] = {k: round(v, 2) for k, v in rates.items()}
+        pick = max(candidates, key=lambda t: rates[str(t or "vanilla")])
+        if not best or best[-1][1] != pick:
+            best.append((1 if not best else B, pick))
+    return Schedule(tuple(best)), table

@@ -21,7 +21,6 @@ measures both and checks the outputs.
 from __future__ import annotations
 
 import torch
-
 from eaglex.models.target import DTYPES
 
 

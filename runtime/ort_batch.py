@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from eaglex.models.target import DTYPES
 
 from .batch_backend import SlotCache

@@ -11,14 +11,13 @@ import random
 
 import pytest
 import torch
-
 from eaglex.models.target import causal_mask
 from eaglex.runtime.batch import BatchedGenerator, Schedule
 from eaglex.runtime.batch_backend import TorchBatchBackend
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.torch_backend import TorchBackend
-from eaglex.runtime.types import SamplingConfig, TreeConfig
+from eaglex.runtime.types import SamplingConfig
 
 MAX_NEW = 40
 SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla")
@@ -239,3 +238,18 @@ def test_cli_generate_batch(models, prompts, tmp_path):
         outs[batch] = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()]
     assert outs[3] == outs[1] and len(outs[1]) == 8
     assert main(["generate", "--target", str(models["qwen2"]), "--prompts", str(src), "--batch", "0"]) != 0
+
+
+def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
+    from eaglex.engines.tune import tune_batching
+    from eaglex.runtime.manifest import read_manifest
+    manifest = read_manifest(ort_engine.path)
+    lines = []
+    tune_batching(ort_engine, prompts[:8], manifest, log=lines.append)
+    stored = read_manifest(ort_engine.path)
+    schedule = Schedule.parse(stored["batch_schedule"])
+    assert ort_engine.batch_schedule() == schedule
+    assert set(stored["tuning"]["batch"]) == {"1", "2", "4", "8", "16"}
+    for size, row in stored["tuning"]["batch"].items():     # the schedule runs the fastest measured candidate
+        pick = str(schedule.tree(int(size)) or "vanilla")
+        assert row[pick] == max(row.values()), (size, row)
