@@ -219,7 +219,8 @@ def load_draft(path: str | Path, target: Target, kind: str | None = None) -> Dra
         if state["embed_tokens.weight"].shape != embed.weight.shape:   # loader lets it win over the target's
             raise ModelError(f"draft {path}: embed_tokens.weight has shape "
                              f"{tuple(state['embed_tokens.weight'].shape)}, the target's is {tuple(embed.weight.shape)}")
-        embed = nn.Embedding.from_pretrained(state["embed_tokens.weight"].to(embed.weight.dtype), freeze=True)
+        embed = nn.Embedding.from_pretrained(state["embed_tokens.weight"].to(embed.weight.device, embed.weight.dtype),
+                                             freeze=True)      # not a submodule: placed on the target's device
     head = DraftHead(spec, rope_cfg, embed, target.lm_head)
     expected = set(head.state_dict())
     optional = {"d2t", "t2d", "embed_tokens.weight"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -172,8 +172,8 @@ def _has_weights(path: Path) -> bool:
     return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
-    """Load a local Hugging Face folder (no remote code) as a Target."""
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Target:
+    """Load a local Hugging Face folder (no remote code) as a Target on `device`."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -192,7 +192,24 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
     except Exception as e:  # noqa: BLE001 - any failure to decode the user's files is bad input, said in one line
         raise load_error(path, e) from None
     model.eval().requires_grad_(False)
+    if torch.device(device).type != "cpu":
+        model.to(device)
     return Target(model, spec_from_config(config, path))
+
+
+def target_from_model(model: nn.Module, path: str | Path | None = None) -> Target:
+    """A Target over a Hugging Face causal LM already in memory (its weights, device and dtype used as they are);
+    `path`: its folder, for the EOS ids of generation_config.json, else those of the model's own configs."""
+    config = model.config
+    arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"architecture {arch} is not supported; eaglex runs {', '.join(SUPPORTED_ARCHS)}")
+    model.eval().requires_grad_(False)
+    spec = replace(spec_from_config(config, Path(path) if path is not None else None), arch=arch)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if path is None and eos is not None:
+        spec = replace(spec, eos_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+    return Target(model, spec)
 
 
 def load_error(path: Path, e: Exception) -> ModelError:
@@ -201,14 +218,14 @@ def load_error(path: Path, e: Exception) -> ModelError:
                       f"{(str(e).splitlines() or [''])[0][:200]}")
 
 
-def spec_from_config(config, path: Path) -> TargetSpec:
+def spec_from_config(config, path: Path | None) -> TargetSpec:
     """The TargetSpec of a loaded Hugging Face config; EOS ids from the folder's generation config when it has one."""
     from transformers import GenerationConfig
 
     eos = config.eos_token_id
     try:
-        gen = GenerationConfig.from_pretrained(path)
-        eos = gen.eos_token_id if gen.eos_token_id is not None else eos
+        gen = GenerationConfig.from_pretrained(path) if path is not None else None
+        eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else eos
     except OSError:
         pass
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
@@ -216,7 +233,7 @@ def spec_from_config(config, path: Path) -> TargetSpec:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         max_ctx = min(max_ctx, config.sliding_window)   # beyond the window Mistral attends differently
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return TargetSpec(arch=config.architectures[0], num_layers=config.num_hidden_layers,
+    return TargetSpec(arch=(getattr(config, "architectures", None) or ["?"])[0], num_layers=config.num_hidden_layers,
                       hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                       num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
                       head_dim=head_dim, vocab_size=config.vocab_size, max_context=max_ctx, eos_ids=eos_ids)

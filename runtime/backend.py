@@ -77,9 +77,13 @@ class Backend(Protocol):
     def draft_rollback(self) -> None: ...
 
 
-def full_mask(mask: torch.Tensor | None, batch: int, n: int, committed: int, pending: int) -> torch.Tensor:
-    """[B,1,N,committed+pending+N] bool attention mask from a mask over the uncommitted rows (None = causal)."""
+def full_mask(mask: torch.Tensor | None, batch: int, n: int, committed: int, pending: int,
+              device: torch.device | None = None) -> torch.Tensor:
+    """[B,1,N,committed+pending+N] bool attention mask from a mask over the uncommitted rows (None = causal), on
+    `device` (default: the mask's, else the CPU)."""
     if mask is None:
-        return causal_mask(n, committed + pending, batch)
-    past = torch.ones(batch, n, committed, dtype=torch.bool)
+        return causal_mask(n, committed + pending, batch, device)
+    if device is not None and mask.device != device:
+        mask = mask.to(device, non_blocking=True)
+    past = torch.ones(batch, n, committed, dtype=torch.bool, device=mask.device)
     return torch.cat([past, mask], -1).unsqueeze(1)

@@ -7,12 +7,16 @@ then grows a tree from the last row:
 - chain: the dynamic tree with top_k = 1 (built directly, without the candidate pool);
 - static (EAGLE-1): the fixed shape of a choices list, each node the rank-th draft candidate of its parent.
 Tree rows written to the draft cache are rolled back at the end; the pure tree algebra lives in tree.py.
+
+Devices: the candidate pool, scores and draft outputs stay on the backend's device while the tree grows (no host
+read between draft steps); the finished tree is read back once and lives on the host, where the verifier walks it.
 """
 from __future__ import annotations
 
 import torch
 
 from .backend import Backend
+from .device import host, to_device
 from .tree import MC_SIM_7B_63, chain_tree, next_frontier, select_dynamic, static_plan, tree_from_parents
 from .types import DraftTree, TreeConfig
 
@@ -53,16 +57,16 @@ class Drafter:
 
     def _dynamic(self, root, seed, position):
         hidden, logp, ids = seed                               # [1,H], [K], [K]
-        K, depth = self.top_k, self.depth
+        K, depth, dev = self.top_k, self.depth, hidden.device
         # Flat candidate pool, appended level by level: K children of the root, then K*K per expansion.
         size = K + depth * K * K
-        scores, tokens = torch.empty(size), torch.empty(size, dtype=torch.long)
-        parents = torch.empty(size, dtype=torch.long)
+        scores, tokens = torch.empty(size, device=dev), torch.empty(size, dtype=torch.long, device=dev)
+        parents = torch.empty(size, dtype=torch.long, device=dev)
         scores[:K], tokens[:K], parents[:K] = logp, ids, -1
         n = K
         front = next_frontier(logp, K)                         # [F] candidate indices to expand
         front_h = hidden.expand(front.shape[0], -1)            # [F,H] draft output each frontier node came from
-        mask = torch.eye(front.shape[0], dtype=torch.bool)     # [F, processed] ancestors among processed rows
+        mask = torch.eye(front.shape[0], dtype=torch.bool, device=dev)  # [F, processed] ancestors among processed
         for i in range(depth):
             F = front.shape[0]
             h, lp, tk = self.backend.draft_forward(front_h.unsqueeze(0), tokens[front].unsqueeze(0),
@@ -74,7 +78,7 @@ class Drafter:
             pick = next_frontier(cu, K)                        # best K children over the whole level
             rows = pick // K
             front, front_h, n = pick + n, h[0, rows], n + F * K
-            mask = torch.cat([mask[rows], torch.eye(pick.shape[0], dtype=torch.bool)], 1)
+            mask = torch.cat([mask[rows], torch.eye(pick.shape[0], dtype=torch.bool, device=dev)], 1)
         return select_dynamic(scores[:n], tokens[:n], parents[:n], root, self.total)
 
     def _chain(self, root, seed, position):
@@ -82,19 +86,21 @@ class Drafter:
         chain is built directly: each step feeds its parent's top-1 token and output row, with the causal mask
         (a chain node's ancestors are exactly the rows drafted before it), and no candidate pool or rerank."""
         hidden, _, ids = seed                                  # [1,H], [1], [1]
-        tokens = [root, int(ids[0])]
+        last = ids[:1].view(1, 1)                              # each step's token stays where the draft runs
+        tokens = [last]
         for i in range(self.depth):
-            h, _, tk = self.backend.draft_forward(hidden.unsqueeze(0), torch.tensor([[tokens[-1]]]),
-                                                  torch.tensor([[position + i]]), None, project=False, top_k=1)
-            hidden = h[0]
-            tokens.append(int(tk[0, 0, 0]))
-        return chain_tree(torch.tensor(tokens))
+            h, _, tk = self.backend.draft_forward(hidden.unsqueeze(0), last, torch.tensor([[position + i]]), None,
+                                                  project=False, top_k=1)
+            hidden, last = h[0], tk[0]
+            tokens.append(last)
+        drafted, = host(torch.cat(tokens).view(-1))
+        return chain_tree(torch.cat([torch.tensor([root]), drafted]))
 
     def _static(self, root, seed, position):
         plan = self.plan
         hidden, logp, ids = seed
-        N = plan.parents.shape[0]
-        tokens = torch.zeros(N, dtype=torch.long)
+        N, dev = plan.parents.shape[0], hidden.device
+        tokens = torch.zeros(N, dtype=torch.long, device=dev)
         tokens[0] = root
         top_ids = {0: ids}                                     # node -> its draft top-k target ids [k]
         out_h = {0: hidden[0]}                                 # node -> draft output row its children read
@@ -102,7 +108,8 @@ class Drafter:
         for d, expand in enumerate(plan.expand):
             level = (plan.depths == d + 1).nonzero().flatten()
             par = plan.parents[level]
-            tokens[level] = torch.stack([top_ids[int(p)][int(r)] for p, r in zip(par, plan.ranks[level])])
+            tokens[to_device(level, dev)] = torch.stack([top_ids[int(p)][int(r)]
+                                                         for p, r in zip(par, plan.ranks[level])])
             if d + 1 >= len(plan.expand):
                 break
             nxt = plan.expand[d + 1]                           # nodes at depth d+1 that have children
@@ -110,13 +117,13 @@ class Drafter:
                 break
             hid = torch.stack([out_h[int(plan.parents[n])] for n in nxt])
             anc = self._ancestor_rows(nxt, processed)
-            h, lp, tk = self.backend.draft_forward(hid.unsqueeze(0), tokens[nxt].unsqueeze(0),
+            h, lp, tk = self.backend.draft_forward(hid.unsqueeze(0), tokens[to_device(nxt, dev)].unsqueeze(0),
                                                    torch.full((1, nxt.shape[0]), position + d),
                                                    anc.unsqueeze(0), project=False, top_k=plan.top_k)
             for j, n in enumerate(nxt.tolist()):
                 top_ids[n], out_h[n] = tk[0, j], h[0, j]
             processed += nxt.tolist()
-        return tree_from_parents(tokens, plan.parents)
+        return tree_from_parents(host(tokens)[0], plan.parents)
 
     def _ancestor_rows(self, nodes: torch.Tensor, processed: list[int]) -> torch.Tensor:
         """[len(nodes), len(processed) + len(nodes)] mask: each node sees its processed ancestors and itself."""

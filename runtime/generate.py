@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .backend import Backend
+from .device import to_device
 from .drafter import Drafter
 from .sampling import argmax, logits_to_probs, sample
 from .types import SamplingConfig, TreeConfig
@@ -61,15 +62,35 @@ class GenerationResult:
 
 
 class _Timed:
-    """Wraps a backend so that the loop can report the time spent outside model forwards."""
+    """Wraps a backend so that the loop can report the time spent outside model forwards.
+
+    On the CPU a forward's time is its wall time. A CUDA backend returns before the GPU has run the forward, so
+    there each forward is bracketed by CUDA events and timed on the GPU, read once when the generation ends:
+    the time outside forwards is then the time the GPU waited for the host (drafting logic, the accept decision,
+    launches)."""
 
     def __init__(self, backend: Backend):
         self.backend, self.seconds = backend, {"target_forward": 0.0, "draft_forward": 0.0}
+        device = getattr(backend, "device", None)
+        self.events = self.stream = self.prefill_events = None
+        if device is not None and torch.device(device).type == "cuda":
+            self.events = {name: [] for name in self.seconds}
+            self.stream = torch.cuda.current_stream(torch.device(device))
 
     def __getattr__(self, name):
         fn = getattr(self.backend, name)
         if name not in self.seconds:
             return fn
+
+        if self.events is not None:
+            def timed_on_gpu(*args, **kwargs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+                out = fn(*args, **kwargs)
+                end.record(self.stream)
+                self.events[name].append((start, end))
+                return out
+            return timed_on_gpu
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
@@ -78,13 +99,27 @@ class _Timed:
             return out
         return timed
 
+    def _gpu_seconds(self, upto: dict[str, int] | None = None) -> dict[str, float]:
+        self.stream.synchronize()
+        return {name: sum(s.elapsed_time(e) for s, e in pairs[:None if upto is None else upto[name]]) / 1e3
+                for name, pairs in self.events.items()}
+
     def end_prefill(self, result: "GenerationResult", t0: float) -> None:
         result.prefill_seconds = time.perf_counter() - t0
+        if self.events is not None:                        # counted now, timed at the end (no extra sync here)
+            self.prefill_events = {name: len(pairs) for name, pairs in self.events.items()}
+            return
         result.prefill_target_seconds = self.seconds["target_forward"]
         result.prefill_draft_seconds = self.seconds["draft_forward"]
 
     def record(self, result: "GenerationResult", t0: float) -> "GenerationResult":
         result.seconds = time.perf_counter() - t0
+        if self.events is not None:
+            self.seconds = self._gpu_seconds()
+            if self.prefill_events is not None:
+                pre = self._gpu_seconds(self.prefill_events)
+                result.prefill_target_seconds, result.prefill_draft_seconds = pre["target_forward"], \
+                    pre["draft_forward"]
         result.target_seconds, result.draft_seconds = self.seconds["target_forward"], self.seconds["draft_forward"]
         return result
 
@@ -236,7 +271,7 @@ class SpeculativeGenerator(_Base):
                 break
             # The draft's context grows by the accepted path: (feature of node, token after it).
             next_ids = torch.tensor(accepted + [verdict.next_token])
-            seed = drafter.extend(feats[0, verdict.nodes], next_ids, length)
+            seed = drafter.extend(feats[0, to_device(verdict.nodes, feats.device)], next_ids, length)
             length += verdict.nodes.shape[0]
             root = verdict.next_token
         return backend.record(result, t0)

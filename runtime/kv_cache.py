@@ -33,11 +33,24 @@ class TorchKVCache:
             self.pending += k.shape[2]
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def reserve(self, n: int) -> None:
+        """Check that a forward of n rows fits (static forwards write through runtime/static.py, not update)."""
+        end = self.length + self.pending + n
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+
+    def appended(self, n: int) -> None:
+        """A static forward wrote n rows after the pending ones."""
+        self.pending += n
+
     def commit(self, keep: torch.Tensor) -> None:
-        """keep [K] int64: indices into the pending rows, in order; they become committed rows."""
+        """keep [K] int64: indices into the pending rows, in order; they become committed rows. The indices are
+        read on the host (the verifier decides there); on a GPU the gather runs on the device."""
         n = int(keep.shape[0])
-        src = keep + self.length
+        src = (keep if keep.device.type == "cpu" else keep.cpu()) + self.length
         if n and not torch.equal(src, torch.arange(self.length, self.length + n)):
+            if src.device != self.k.device:
+                src = src.to(self.k.device, non_blocking=True)
             # index_select copies first, so overlapping source and destination rows are safe
             self.k[:, :, :, self.length:self.length + n] = self.k.index_select(3, src)
             self.v[:, :, :, self.length:self.length + n] = self.v.index_select(3, src)
@@ -57,8 +70,8 @@ class TorchKVCache:
 
 
 def new_cache(num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-              dtype: torch.dtype) -> TorchKVCache:
+              dtype: torch.dtype, device: torch.device | str = "cpu") -> TorchKVCache:
     """An empty TorchKVCache with room for `capacity` rows."""
-    cache = TorchKVCache(num_layers, batch, num_kv_heads, head_dim, dtype)
+    cache = TorchKVCache(num_layers, batch, num_kv_heads, head_dim, dtype, device)
     cache.reset(capacity)
     return cache

@@ -17,6 +17,7 @@ import numpy as np
 
 import torch
 
+from .device import host
 from .types import PLACEHOLDER, DraftTree
 
 # EAGLE-1's default static tree (choices.py, name inherited from Medusa): 25 nodes + root, depth 5,
@@ -109,8 +110,10 @@ def select_dynamic(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1 (the root), got {num_nodes}")
     # Host-side numpy for the same reason as tree_from_parents: C is ~100-700, the per-op dispatch dominates.
-    s_np = scores.detach().to("cpu", torch.float32).numpy()
-    p_np = parents.detach().to("cpu", torch.long).numpy()
+    # A pool drafted on a GPU is read back here, in one synchronisation; the tree is built on the host.
+    scores, tokens, parents = host(scores.detach(), tokens, parents)
+    s_np = scores.to(torch.float32).numpy()
+    p_np = parents.to(torch.long).numpy()
     if ((p_np < -1) | (p_np >= np.arange(c))).any():
         raise ValueError("candidate parents must satisfy -1 <= parents[c] < c")
 

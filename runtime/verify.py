@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .device import host
 from .sampling import argmax, logits_to_probs, sample
 from .types import DraftTree, SamplingConfig, Verdict
 
@@ -28,8 +29,8 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """tree with N nodes, logits [N, V] -> Verdict (longest argmax-consistent path + the argmax after it)."""
     _check(tree, logits)
     top = argmax(logits)                                         # [N] target's choice after each node
-    if top.device.type == "cpu" and tree.tokens.device.type == "cpu":
-        return _verify_greedy_host(tree, top.numpy())
+    if tree.tokens.device.type == "cpu":                         # the drafters' trees: decided on the host, after
+        return _verify_greedy_host(tree, host(top)[0].numpy())  # one read of the N argmax ids from the device
     # A node is correct when its token is what the target would emit after its parent; the root is given.
     parent_top = top[tree.parents.clamp(min=0)]
     correct = (tree.tokens == parent_top) | (tree.parents < 0)   # [N]
