@@ -11,6 +11,15 @@ Prefill stays out of the batched forwards: a joining request's prompt runs alone
 context catches up lazily (rows that fell behind by more than one cycle, e.g. after vanilla steps or a prefill,
 extend alone; the others extend together, padded to the longest).
 
+Alone in flight: a request that arrives while nothing else is decoding runs on the single-request generator
+(`solo`, e.g. Engine.generator: the engine's own method and tree, the Backend's own KV cache) one cycle per step,
+so concurrency 1 costs what one request alone costs and its output is bit-identical to the single-request path.
+It keeps that lane until it finishes; requests arriving meanwhile batch in the slots next to it (one extra forward
+per step while both run). The lane counts against the batch's capacity (`slots`), so max batch 1 is exactly the
+single-request path. The single-request loop runs in a helper thread that holds the baton for one cycle per step
+(its stop hook hands the baton back), so it is the same code as one request alone, never run concurrently with
+the batched forwards.
+
 Exactness: a request's greedy tokens are the target's argmax given its own context, whatever else is in the
 batch; sampling draws from the request's own torch.Generator (seeded by its SamplingConfig.seed), through the same
 verify_sampling as one request alone. The batched forwards round differently from a request alone at the 1e-5
@@ -18,6 +27,7 @@ level (see batch_backend.py), as the single-request speculative path already doe
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -89,6 +99,7 @@ class Request:
     emitter: object
     submitted: float
     generator: torch.Generator = None
+    max_new_tokens: int = 0
     admitted: float | None = None          # perf_counter time its prefill started
     first_token_at: float | None = None   # perf_counter time of the first token (TTFT = first_token_at - submitted)
     finished_at: float | None = None
@@ -102,12 +113,56 @@ class Request:
     seed: tuple | None = None              # the draft's (hidden [H], top-1 id) after its last committed row
 
 
+class _Solo:
+    """One request on the single-request generator, run one cycle at a time: the engine thread calls cycle(),
+    the helper thread runs until the generator's next emission (its stop hook) or its end, then hands back."""
+
+    def __init__(self, req: Request, generator):
+        self.req, self.finished, self.error, self.result = req, False, None, None
+        self._turn, self._back = threading.Semaphore(0), threading.Semaphore(0)
+        user_tokens, user_stop = req.emitter.on_tokens, req.emitter.stop
+
+        def on_tokens(tokens: list[int]) -> None:
+            req.result.output_ids.extend(tokens)        # a live view while it runs; replaced by the result at the end
+            if req.first_token_at is None:
+                req.first_token_at = time.perf_counter()
+            if user_tokens is not None:
+                user_tokens(tokens)
+
+        def stop() -> bool:                             # asked after every emission: one cycle done
+            self._back.release()
+            self._turn.acquire()
+            return bool(user_stop()) if user_stop is not None else False
+
+        def run() -> None:
+            self._turn.acquire()
+            try:
+                self.result = generator.generate(req.input_ids, req.max_new_tokens, on_tokens, stop)
+            except Exception as e:  # noqa: BLE001 - a caller's hook failing ends this request alone
+                self.error = e
+            finally:
+                self.finished = True
+                self._back.release()
+
+        self._thread = threading.Thread(target=run, name=f"eaglex-solo-{req.index}", daemon=True)
+        self._thread.start()
+
+    def cycle(self) -> bool:
+        """Run one cycle (the first one is the prefill); True once the request finished."""
+        self._turn.release()
+        self._back.acquire()
+        if self.finished:
+            self._thread.join()
+        return self.finished
+
+
 class BatchedGenerator:
     """submit() requests at any time; step() admits queued requests into free slots, runs one cycle for every
     active request and returns the requests that finished. run() steps until nothing is left."""
 
-    def __init__(self, backend, schedule: Schedule | None = None):
-        """`backend`: a TorchBatchBackend; `schedule`: None = vanilla batching."""
+    def __init__(self, backend, schedule: Schedule | None = None, solo: Callable[[SamplingConfig], object] | None = None):
+        """`backend`: a TorchBatchBackend; `schedule`: None = vanilla batching; `solo`: sampling -> a single-request
+        generator over the same models (None: every request decodes in the slots)."""
         if schedule is not None and any(t is not None for _, t in schedule.steps) and backend.draft_kind is None:
             raise ValueError("speculative decoding needs a draft head")
         self.backend, self.spec = backend, backend.spec
@@ -117,6 +172,12 @@ class BatchedGenerator:
         self.submitted = 0
         self.steps = 0
         self.last_tree: TreeConfig | None = None   # what the last step ran
+        self.solo_factory, self.solo = solo, None  # the single-request lane (_Solo) while a request runs there
+
+    @property
+    def in_flight(self) -> int:
+        """Requests decoding now: the batch's rows and the single-request lane."""
+        return len(self.active) + (self.solo is not None)
 
     @property
     def queue_depth(self) -> int:
@@ -128,19 +189,26 @@ class BatchedGenerator:
         """Queue a request (ValueError when it does not fit the target; nothing is queued then)."""
         result, emitter = start_request(self.spec, input_ids, max_new_tokens, on_tokens, stop)
         req = Request(self.submitted, list(input_ids), sampling, result, emitter, time.perf_counter(),
-                      torch.Generator().manual_seed(sampling.seed))
+                      torch.Generator().manual_seed(sampling.seed), max_new_tokens)
         self.submitted += 1
         self.queue.append(req)
         return req
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing decoding."""
+        return not (self.queue or self.active or self.solo)
+
     def run(self) -> None:
-        while self.queue or self.active:
+        while not self.idle:
             self.step()
 
     # ------------------------------------------------------------------------------------------------ one step
 
     def step(self) -> list[Request]:
         finished = self._admit()
+        if self.solo is not None and self.solo.cycle():
+            finished.append(self._finish_solo())
         if self.active:
             tree = self.schedule.tree(len(self.active))
             self.last_tree = tree
@@ -154,7 +222,7 @@ class BatchedGenerator:
 
     def _admit(self) -> list[Request]:
         finished = []
-        while self.queue and len(self.active) < self.backend.slots:
+        while self.queue and self.in_flight < self.backend.slots:
             req = self.queue.popleft()
             slot = len(self.active)
             if req.emitter.done:                    # max_new_tokens 0 or no room: finished before it started
@@ -162,6 +230,10 @@ class BatchedGenerator:
                 continue
             t0 = time.perf_counter()
             req.admitted = t0
+            if self.solo_factory is not None and not self.active and self.solo is None and \
+                    (not self.queue or self.backend.slots == 1):
+                self.solo = _Solo(req, self.solo_factory(req.sampling))   # alone: the single-request path
+                continue
             ids = torch.tensor([req.input_ids])
             n = ids.shape[1]
             logits, feats = self._timed("target", [req], self.backend.target_forward, slice(slot, slot + 1), ids,
@@ -311,6 +383,15 @@ class BatchedGenerator:
     def _clear(self, slot: int) -> None:
         for c in self.backend.caches():
             c.clear(slot)
+
+    def _finish_solo(self) -> Request:
+        solo, self.solo = self.solo, None
+        req = solo.req
+        if solo.error is not None:
+            req.error, req.result.stop_reason = solo.error, "error"
+        else:
+            req.result = solo.result
+        return self._finish(req)
 
     @staticmethod
     def _finish(req: Request) -> Request:

@@ -90,12 +90,18 @@ class Engine:
             return Schedule.fixed(None)
         return Schedule.parse(stored) if stored else Schedule.fixed(chain_for(self.tree))
 
-    def batcher(self, max_batch: int, schedule=None):
-        """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights)."""
+    def batcher(self, max_batch: int, schedule=None, solo: bool = True):
+        """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights).
+        `solo`: a request alone in flight runs on this engine's single-request generator (vanilla when the
+        schedule is vanilla throughout), so one request at a time costs and decodes what it does alone."""
         from .batch import BatchedGenerator
         from .batch_backend import batch_backend
         schedule = schedule or self.batch_schedule()
-        return BatchedGenerator(batch_backend(self.backend, max_batch, schedule.max_nodes), schedule)
+        factory = None
+        if solo:
+            vanilla = all(t is None for _, t in schedule.steps)
+            factory = (lambda s: VanillaGenerator(self.backend, s)) if vanilla else self.generator
+        return BatchedGenerator(batch_backend(self.backend, max_batch, schedule.max_nodes), schedule, factory)
 
     def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
         gen = self.batcher(batch)

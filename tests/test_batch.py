@@ -253,3 +253,67 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
     for size, row in stored["tuning"]["batch"].items():     # the schedule runs the fastest measured candidate
         pick = str(schedule.tree(int(size)) or "vanilla")
         assert row[pick] == max(row.values()), (size, row)
+
+
+# ------------------------------------------------------------------------------------------------ alone in flight
+
+def test_a_request_alone_runs_the_single_request_path_bit_identically(ort_engine, prompts):
+    """One request at a time through the batcher (max batch 4, and max batch 1 with requests queued behind) is the
+    single-request generator itself: the same tokens, cycles and accepted lengths, greedy and sampled."""
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=11)):
+        want = [ort_engine.generator(sampling).generate(p, MAX_NEW) for p in prompts[:4]]
+        gen = ort_engine.batcher(4)
+        got = []
+        for p in prompts[:4]:
+            got.append(gen.submit(p, MAX_NEW, sampling))
+            gen.step()
+            assert not gen.active and (gen.solo is not None or got[-1].done)   # alone: the single-request lane
+            gen.run()
+        one = ort_engine.batcher(1)
+        queued = [one.submit(p, MAX_NEW, sampling) for p in prompts[:4]]
+        while not one.idle:
+            one.step()
+            assert one.in_flight <= 1 and not one.active
+        for w, r, q in zip(want, got, queued):
+            for x in (r, q):
+                assert x.error is None and x.result.output_ids == w.output_ids
+                assert (x.result.cycles, x.result.accept_lengths) == (w.cycles, w.accept_lengths)
+
+
+def test_requests_joining_a_request_alone_batch_next_to_it(ort_engine, prompts):
+    """The first request runs alone; the others join while it decodes and batch in the slots; a cancelled one and
+    one whose callback fails (in either lane) end alone; every other output is the alone-vanilla one."""
+    want = [VanillaGenerator(ort_engine.backend).generate(p, MAX_NEW).output_ids for p in prompts]
+    gen = ort_engine.batcher(4)
+
+    def boom(tokens):
+        raise RuntimeError("client went away")
+    calls = {"n": 0}
+
+    def cancel_soon():
+        calls["n"] += 1
+        return calls["n"] >= 3
+
+    first = gen.submit(prompts[0], MAX_NEW)
+    gen.step()
+    assert not gen.active and gen.solo is not None, "a longer first prompt is needed for this test"
+    reqs = [first]
+    for i, p in enumerate(prompts[1:], 1):
+        kw = {"on_tokens": boom} if i == 2 else {"stop": cancel_soon} if i == 3 else {}
+        reqs.append(gen.submit(p, MAX_NEW, **kw))
+        gen.step()
+        assert gen.in_flight <= 4
+    gen.run()
+    for i, r in enumerate(reqs):
+        assert r.done
+        if i == 2:
+            assert isinstance(r.error, RuntimeError) and r.result.stop_reason == "error"
+        elif i == 3:
+            assert r.error is None and r.result.stop_reason == "cancelled"
+            assert r.result.output_ids == want[i][:len(r.result.output_ids)]
+        else:
+            assert r.error is None and r.result.output_ids == want[i], i
+    solo_fail = gen.submit(prompts[1], MAX_NEW, on_tokens=boom)
+    gen.run()
+    assert isinstance(solo_fail.error, RuntimeError) and solo_fail.result.stop_reason == "error"
+    assert gen.idle and gen.solo is None
