@@ -8,6 +8,10 @@ gap between prediction and measurement shows runtime overhead.
 
 Threads: each section runs under the thread policy of runtime/threads.py (ORT rows: ORT's pool on the cores, torch
 on one thread; torch rows and transformers peers: torch on the cores); every row states its threads.
+
+Devices: every row states where it ran (`device`, with the dtype). On a GPU the per-cycle split comes from CUDA
+events around each forward (runtime/generate.py), so "other" is the time the GPU waited for the host, and the cost
+model synchronises around every timed call.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglex.fsio import write_json
+from eaglex.runtime.device import synchronize
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
@@ -47,6 +52,7 @@ class Row:
     decode_draft_seconds: float = 0.0
     requests: int = 0
     threads: str = ""
+    device: str = ""
 
     def add(self, r, baseline) -> None:
         """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
@@ -76,6 +82,7 @@ class Row:
             target, draft, total = self.target_seconds, self.draft_seconds, self.seconds
         decode_speedup = ratio(self.baseline_decode_seconds, self.decode_seconds)
         return {"engine": self.engine, "method": self.method, "tree": self.tree, "threads": self.threads,
+                "device": self.device,
                 "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
                 "speedup": ratio(self.baseline_seconds, self.seconds),
@@ -90,9 +97,13 @@ class Row:
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "load_average": [round(x, 2) for x in os.getloadavg()],
-            "python": platform.python_version(), "torch": torch.__version__}
+    out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "load_average": [round(x, 2) for x in os.getloadavg()],
+           "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        out["cuda"] = torch.version.cuda
+    return out
 
 
 def run_backend(name: str, backend, trees: list[TreeConfig], prompts: list[list[int]], max_new_tokens: int,
@@ -125,23 +136,31 @@ def run_backend(name: str, backend, trees: list[TreeConfig], prompts: list[list[
 
 
 def run_hf_peers(target_dir, prompts: list[list[int]], max_new_tokens: int, draft_lm_dir=None,
-                 reference: list[list[int]] | None = None) -> list[Row]:
+                 reference: list[list[int]] | None = None, device: str = "cpu", dtype: str = "float32",
+                 model=None, draft_lm=None) -> list[Row]:
     """Hugging Face transformers on the same target and prompts: plain greedy, assisted generation with a small
-    draft LM, and prompt lookup. Outputs are checked against `reference` (eaglex vanilla) when given."""
+    draft LM, and prompt lookup, on `device` in `dtype` (or on the loaded `model` / `draft_lm` as they are).
+    Outputs are checked against `reference` (eaglex vanilla) when given."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    from eaglex.models.target import DTYPES
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+
+    target = model if model is not None else load(target_dir)
+    device = target.device
     eos = target.generation_config.eos_token_id
     peers = {"hf greedy": {}, "hf prompt-lookup": {"prompt_lookup_num_tokens": 10}}
-    if draft_lm_dir is not None:
-        peers["hf assisted"] = {"assistant_model": AutoModelForCausalLM.from_pretrained(
-            draft_lm_dir, dtype=torch.float32).eval()}
-    rows = {name: Row("transformers", name, "-") for name in peers}
+    if draft_lm is not None or draft_lm_dir is not None:
+        peers["hf assisted"] = {"assistant_model": draft_lm if draft_lm is not None else load(draft_lm_dir)}
+    rows = {name: Row("transformers", name, "-", device=f"{device} {str(target.dtype).replace('torch.', '')}")
+            for name in peers}
 
     def run(p, kw):
         t = time.perf_counter()
         with torch.no_grad():
-            out = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+            out = target.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=max_new_tokens,
                                   pad_token_id=eos, **kw)
         return out[0, len(p):].tolist(), time.perf_counter() - t
 
@@ -233,9 +252,12 @@ class CostSampler:
             b.draft_commit(torch.arange(c))
         cases = self._cases(feats) * repeats
         self.rng.shuffle(cases)
+        device = getattr(b, "device", "cpu")
         for name, fn in cases:
+            synchronize(device)
             t = time.perf_counter()
             fn()
+            synchronize(device)
             dt = time.perf_counter() - t
             if record:
                 self.samples.setdefault(name, []).append(dt)
@@ -282,14 +304,15 @@ def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
 
 def print_table(rows: list[dict]) -> None:
     """e2e: whole requests (prefill included); decode: after the prefill, the part the cost model predicts."""
-    head = f"{'engine':<14} {'method':<16} {'tree':<16} {'threads':<12} {'tok/s':>7} {'e2e':>6} {'decode':>7} " \
+    head = f"{'engine':<14} {'method':<16} {'tree':<16} {'device':<15} {'threads':<12} {'tok/s':>7} {'e2e':>6} " \
+           f"{'decode':>7} " \
            f"{'vs HF':>6} " \
            f"{'pred.':>6} {'m/p':>5} {'tau':>5} {'same':>5} {'draft ms':>9} {'verify ms':>9} {'other ms':>9}"
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
-        print(f"{r['engine']:<14} {r['method']:<16} {r['tree']:<16} {r['threads']:<12} "
+        print(f"{r['engine']:<14} {r['method']:<16} {r['tree']:<16} {r.get('device', ''):<15} {r['threads']:<12} "
               f"{fmt(r['tokens_per_s'], '7.1f')} "
               f"{fmt(r['speedup'], '5.2f')}x {fmt(r.get('decode_speedup'), '6.2f')}x "
               f"{fmt(r.get('vs_hf_greedy'), '5.2f')}x "
@@ -300,7 +323,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
-        target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None) -> list[dict]:
+        target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
+        device: str = "cpu", dtype: str = "float32") -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
     every tree (None = the engine's own tree, tuned once if it never was), interleaved; then the transformers peers
     on `target_dir`. Prints the table, writes the JSON to `out`, returns the rows."""
@@ -330,14 +354,15 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
             row.tree = text
             tau = sum(row.accept_lengths) / max(len(row.accept_lengths), 1)
             row.predicted_speedup = predicted_speedup(cm, tree, tau)
+        where = f"{engine.device} {getattr(engine.backend, 'dtype', '')}".strip()
         for row in got:
-            row.threads = label
+            row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]
         if reference is None and target_dir is not None and peers:
             reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
     if target_dir is not None and peers:
         policy = set_threads(threads, onnxruntime=False)
-        for r in run_hf_peers(target_dir, prompts, max_new_tokens, draft_lm_dir, reference):
+        for r in run_hf_peers(target_dir, prompts, max_new_tokens, draft_lm_dir, reference, device, dtype):
             r.threads = f"torch {policy['torch']}"
             rows.append(r.as_dict())
     hf = next((r for r in rows if r["method"] == "hf greedy"), None)

@@ -19,6 +19,10 @@ SEED_HELP = ("base seed (>= 0). Line i of --prompts samples from its own stream:
              "on the other lines")
 RETIRED = {"--total-tokens": "--tree dynamic:TOTAL/DEPTH/TOPK", "--depth": "--tree chain:N or dynamic:TOTAL/DEPTH/TOPK",
            "--tree-top-k": "--tree dynamic:TOTAL/DEPTH/TOPK"}
+DEVICE_HELP = ('where the models run: "auto" (the first visible CUDA GPU, else the CPU; for ONNX Runtime engines a '
+               'GPU needs onnxruntime-gpu), "cpu", "cuda" or "cuda:N"')
+PROVIDERS_HELP = ("ONNX Runtime engines: execution providers in order of preference, comma-separated (e.g. "
+                  "TensorrtExecutionProvider,CUDAExecutionProvider); default: the --device's")
 BUNDLE_RETIRED = {"--max-draft-len": "--tree chain:N", "--dynamic-tree-top-k": "--tree dynamic:TOTAL/DEPTH/TOPK",
                   "--max-total-draft-tokens": "--tree dynamic:TOTAL/DEPTH/TOPK"}
 
@@ -54,6 +58,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache of --target models (engines have their own)")
     g.add_argument("--tree", metavar="TREE", help=TREE_HELP)
     g.add_argument("--threads", type=int, default=0, help="cores to use (0: all physical cores)")
+    g.add_argument("--device", default="auto", help=DEVICE_HELP)
+    g.add_argument("--providers", help=PROVIDERS_HELP)
     for flag in RETIRED:
         g.add_argument(flag, dest="retired_" + flag[2:].replace("-", "_"), help=argparse.SUPPRESS)
     s = p.add_argument_group("sampling")
@@ -93,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--force", action="store_true", help="rebuild and retune even if the engine exists")
     eng.add_argument("--max-new-tokens", type=int, default=48)
     eng.add_argument("--threads", type=int, default=0, help="cores to use (0: all physical cores)")
+    eng.add_argument("--device", default="auto", help=DEVICE_HELP)
+    eng.add_argument("--providers", help=PROVIDERS_HELP)
 
     ben = sub.add_parser("bench", help="side-by-side speed table + JSON: vanilla vs speculative per engine, peers")
     ben.add_argument("--target", type=Path, help="HF target folder (torch backend rows and transformers peers)")
@@ -105,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma list of trees (see generate --tree); auto = the engine's own tree")
     ben.add_argument("--max-new-tokens", type=int, default=64)
     ben.add_argument("--threads", type=int, default=0, help="cores for every row (0: all physical cores)")
+    ben.add_argument("--device", default="auto", help=DEVICE_HELP + " (every row, the transformers peers too)")
+    ben.add_argument("--providers", help=PROVIDERS_HELP)
     ben.add_argument("--no-torch", action="store_true", help="skip the torch backend rows")
     ben.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     ben.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON results file")
@@ -210,10 +220,13 @@ def open_from_args(args):
             if problems:
                 raise ModelError(f"the installed TensorRT-LLM rejects {args.engine}'s options: {'; '.join(problems)}")
         engine = open_engine(args.engine, method=args.method, tree=tree, dtype=args.dtype,
-                             draft_kind=args.draft_kind, threads=args.threads or None)
+                             draft_kind=args.draft_kind, threads=args.threads or None, device=args.device,
+                             providers=args.providers)
     elif args.target is not None:
+        if args.providers:
+            raise ModelError("--providers applies to ONNX Runtime engines (--engine DIR)")
         engine = open_models(args.target, args.draft, method=args.method, tree=tree, dtype=args.dtype,
-                             draft_kind=args.draft_kind)
+                             draft_kind=args.draft_kind, device=args.device)
     else:
         raise ModelError("give --engine DIR, or --target DIR (and --draft DIR)")
     set_threads(args.threads or None, onnxruntime=engine.layout == "engine")
@@ -299,7 +312,7 @@ def cmd_engine(args) -> int:
 
     set_threads(args.threads or None, onnxruntime=(args.backend or "onnxruntime") == "onnxruntime")
     return make_engine(args.model, args.backend, args.model_dir, args.draft_dir, args.out, args.force,
-                       args.max_new_tokens)
+                       args.max_new_tokens, device=args.device, providers=args.providers)
 
 
 def cmd_bench(args) -> int:
@@ -309,14 +322,19 @@ def cmd_bench(args) -> int:
 
     trees = [_tree(t) for t in filter(None, (t.strip() for t in args.trees.split(",")))]
     trees = [None if t == "auto" else t for t in trees]
-    engines = [("torch", open_models(args.target, args.draft))] if args.target and not args.no_torch else []
-    engines += [(f"ort:{e.name}", open_engine(e, threads=args.threads or None)) for e in args.engine]
+    from eaglex.runtime.device import resolve_device
+
+    device = resolve_device(args.device)                      # torch rows and the transformers peers
+    engines = [("torch", open_models(args.target, args.draft, device=device))] if args.target and not args.no_torch \
+        else []
+    engines += [(f"ort:{e.name}", open_engine(e, threads=args.threads or None, device=args.device,
+                                             providers=args.providers)) for e in args.engine]
     if not engines:
         raise ModelError("give --target (torch rows) and/or --engine DIR")
     prompts = read_prompts(args.prompts, load_tokenizer(args.target) or engines[0][1].tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     rows = bench.run(engines, prompts, trees, args.max_new_tokens, args.target, args.draft_lm, not args.no_peers,
-                     args.threads or None, args.out)
+                     args.threads or None, args.out, device=device)
     return 0 if all(r["identical_to_vanilla"] for r in rows) else 1
 
 

@@ -15,7 +15,9 @@ from .presets import REPO_ROOT, Preset, get_preset, preset_folders, require_reso
 
 
 def make_engine(model: str, backend: str | None = None, model_dir=None, draft_dir=None, out: Path | None = None,
-                force: bool = False, max_new_tokens: int = 48) -> int:
+                force: bool = False, max_new_tokens: int = 48, device: str | None = None,
+                providers: str | None = None) -> int:
+    """`device` / `providers`: where the engine runs its check and demo (runtime/engine.open_engine)."""
     preset = get_preset(model)
     backend = backend or preset.backend
     require_resources(preset, backend)               # one line, before any download, if this machine cannot
@@ -25,9 +27,9 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
         return _trtllm(preset, target_dir, draft_dir, out, force)
     if backend == "onnxruntime":
         _build_onnx(target_dir, draft_dir, out, force)
-        engine = open_engine(out)
+        engine = open_engine(out, device=device, providers=providers)
     else:
-        engine = open_models(target_dir, draft_dir)
+        engine = open_models(target_dir, draft_dir, device=device)
     prompts = preset_prompts(preset, engine)
     from eaglex.engines.tune import tune_engine
     tune_engine(engine, prompts, force=force)

@@ -47,6 +47,15 @@ def describe(device: torch.device) -> str:
     return str(device)
 
 
+def device_of(backend) -> str:
+    """Where a backend computes: "cpu" or "cuda:N" (a PyTorch backend's device, an ONNX Runtime backend's first
+    execution provider's)."""
+    kv = getattr(backend, "kv_device", None)
+    if kv is not None:
+        return "cpu" if kv[0] == "cpu" else f"{kv[0]}:{kv[1]}"
+    return str(getattr(backend, "device", "cpu"))
+
+
 def host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors on the CPU, read back with one synchronisation (copies queued first, then one wait)."""
     if all(t.device.type == "cpu" for t in tensors):

@@ -22,6 +22,7 @@ from typing import Callable
 from eaglex.models.errors import ModelError
 from eaglex.prompts import load_tokenizer
 
+from .device import device_of
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree
 from .sampling import derive_seed
@@ -48,6 +49,11 @@ class Engine:
     @property
     def draft_kind(self) -> str | None:
         return self.backend.draft_kind
+
+    @property
+    def device(self) -> str:
+        """Where the models run: "cpu" or "cuda:N"."""
+        return device_of(self.backend)
 
     @property
     def manifest(self) -> dict | None:
@@ -92,15 +98,24 @@ class Engine:
 
     def batcher(self, max_batch: int, schedule=None, solo: bool = True):
         """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights).
-        `solo`: a request alone in flight runs on this engine's single-request generator (vanilla when the
-        schedule is vanilla throughout), so one request at a time costs and decodes what it does alone."""
+        `solo`: a request alone in flight runs on a single-request generator, so one request at a time costs what
+        it does alone: greedy on this engine's own (vanilla when the schedule is vanilla throughout), bit-identical
+        to decoding it alone; sampled on the schedule's tree at one request, so that a sampled request's output
+        depends on its seed and the schedule only, not on whether it happened to be alone."""
         from .batch import BatchedGenerator
         from .batch_backend import batch_backend
+        if self.device != "cpu":
+            raise ModelError(f"batched decoding runs on the CPU for now, and this engine runs on {self.device}: "
+                             "decode one request at a time (batch 1) on a GPU")
         schedule = schedule or self.batch_schedule()
         factory = None
         if solo:
-            vanilla = all(t is None for _, t in schedule.steps)
-            factory = (lambda s: VanillaGenerator(self.backend, s)) if vanilla else self.generator
+            vanilla, one = all(t is None for _, t in schedule.steps), schedule.tree(1)
+
+            def factory(s: SamplingConfig):
+                if vanilla or (not s.greedy and one is None):
+                    return VanillaGenerator(self.backend, s)
+                return self.generator(s) if s.greedy else SpeculativeGenerator(self.backend, one, s)
         return BatchedGenerator(batch_backend(self.backend, max_batch, schedule.max_nodes), schedule, factory)
 
     def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
@@ -140,9 +155,12 @@ def layout(path: str | Path) -> str:
 
 
 def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig | None = None,
-                dtype: str = "float32", draft_kind: str | None = None, threads: int | None = None):
+                dtype: str = "float32", draft_kind: str | None = None, threads: int | None = None,
+                device: str | None = None, providers: str | list[str] | None = None, mode: str | None = None):
     """Open any layout above. Overrides: `method` ("vanilla" turns drafting off), `tree` (else the engine's own),
-    `dtype` (PyTorch layouts), `draft_kind` (must match the head), `threads` (ONNX Runtime's pool size).
+    `dtype` (PyTorch layouts), `draft_kind` (must match the head), `threads` (ONNX Runtime's pool size),
+    `device` ("cpu" by default; "auto", "cuda", "cuda:N": runtime/device.py), `providers` (ONNX Runtime engines:
+    execution providers instead of the device's), `mode` (PyTorch layouts: eager, static or graphs).
     Returns an Engine, or for a TensorRT-LLM bundle a TrtllmEngine with the same generate/check interface."""
     p = Path(path)
     kind = layout(p)
@@ -151,21 +169,27 @@ def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig
         return TrtllmEngine(p, method=method)
     if kind == "engine":
         from .ort_backend import OrtBackend
-        backend = OrtBackend(p, draft_kind=draft_kind, threads=threads)
+        from .ort_session import choose_providers
+        backend = OrtBackend(p, draft_kind=draft_kind, threads=threads,
+                             providers=choose_providers(device, providers))
         m = backend.manifest
         return _engine(backend, p, m.get("method") or m.get("default_method"), manifest_tree(m), method, tree,
                        "engine", p)
     target = p / "target" if kind == "checkpoint" else p
     draft = p / "draft" if kind == "checkpoint" and (p / "draft").is_dir() else None
-    return open_models(target, draft, method=method, tree=tree, dtype=dtype, draft_kind=draft_kind, layout=kind)
+    if providers:
+        raise ModelError(f"{p} runs on the PyTorch backend: --providers applies to ONNX Runtime engines only")
+    return open_models(target, draft, method=method, tree=tree, dtype=dtype, draft_kind=draft_kind, layout=kind,
+                       device=device, mode=mode)
 
 
 def open_models(target: str | Path, draft: str | Path | None = None, *, method: str | None = None,
                 tree: TreeConfig | None = None, dtype: str = "float32", draft_kind: str | None = None,
-                layout: str = "models") -> Engine:
-    """A target folder (+ EAGLE head folder) on the PyTorch backend."""
+                layout: str = "models", device: str | None = None, mode: str | None = None) -> Engine:
+    """A target folder (+ EAGLE head folder) on the PyTorch backend, on `device` (default "cpu")."""
+    from .device import resolve_device
     from .torch_backend import TorchBackend
-    backend = TorchBackend(target, draft, dtype, draft_kind)
+    backend = TorchBackend(target, draft, dtype, draft_kind, resolve_device(device or "cpu"), mode)
     tok_dir = Path(target)
     if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES) and layout == "checkpoint":
         tok_dir = tok_dir.parent

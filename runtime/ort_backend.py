@@ -5,6 +5,10 @@ masks cover the uncommitted rows. Inputs are wrapped as OrtValues without copies
 IOBinding, and the KV cache never leaves ORT (runtime/ort_cache.py). EAGLE-3's first draft step runs draft_fc and
 binds its output straight into the draft graph.
 
+On a GPU provider (`providers`, see ort_session.choose_providers) the KV values and draft_fc's output are bound to
+device memory and stay there; logits, features and the draft's top-k come back to the host, where the loop reads
+them (the tensors this backend returns are always on the CPU: `device`).
+
 Loading validates the engine: manifest format version, every file's size (and sha256 up to 2 GiB), each graph's
 engine id, and that the graphs' shapes fit the manifest and each other. Any failure is one ModelError line.
 """
@@ -21,7 +25,7 @@ from eaglex.models.errors import ModelError
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend
 from .ort_cache import NP_DTYPES, OrtKVCache
-from .ort_session import open_session, use_global_pool
+from .ort_session import open_session, provider_device, use_global_pool
 
 
 def _ov(a: np.ndarray) -> ort.OrtValue:
@@ -33,9 +37,12 @@ def _torch(v: ort.OrtValue) -> torch.Tensor:
 
 
 class OrtBackend(CachedBackend):
+    device = torch.device("cpu")            # where the tensors it returns live
+
     def __init__(self, engine_dir: str | Path, draft_kind: str | None = None, threads: int | None = None,
-                 hash_limit: int = HASH_LIMIT):
-        """`draft_kind`, if given, must match the engine's head; `threads` defaults to the physical cores."""
+                 hash_limit: int = HASH_LIMIT, providers: list | None = None):
+        """`draft_kind`, if given, must match the engine's head; `threads` defaults to the physical cores;
+        `providers`: ONNX Runtime execution providers (default: the CPU)."""
         self.engine_dir = self.tokenizer_dir = Path(engine_dir)
         m = read_manifest(self.engine_dir)
         if m.get("backend") != "onnxruntime":
@@ -51,7 +58,9 @@ class OrtBackend(CachedBackend):
             raise ModelError(f"engine {engine_dir} holds {'an ' + self.draft_kind if self.draft_kind else 'no'} "
                              f"draft head, not {draft_kind}")
         self.threads = use_global_pool(threads)
-        open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name)
+        self.providers = providers or ["CPUExecutionProvider"]
+        self.kv_device = provider_device(self.providers)
+        open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name, self.providers)
                  for name, g in m["graphs"].items()}
         self.target_sess = open_["target"]
         self.draft_sess = open_.get("draft")
@@ -59,11 +68,11 @@ class OrtBackend(CachedBackend):
         self._check_graphs()
         s = self.spec
         self.features = m["target"]["features"] != "none"
-        self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.providers)
         self.dcache = None
         if draft:
             d = draft["spec"]
-            self.dcache = OrtKVCache(2, d["num_kv_heads"], d["head_dim"], self.dtype)
+            self.dcache = OrtKVCache(2, d["num_kv_heads"], d["head_dim"], self.dtype, self.providers)
         self._target_out = [o.name for o in self.target_sess.get_outputs()]
 
     def _check_graphs(self) -> None:
@@ -119,7 +128,7 @@ class OrtBackend(CachedBackend):
         io, keep = self.target_sess.io_binding(), []
         N = self._common(io, self.tcache, input_ids, position_ids, mask, last_only, keep)
         for name in self._target_out:
-            io.bind_output(name)
+            io.bind_output(name, *(self.kv_device if name.startswith("present_") else ("cpu", 0)))
         self.target_sess.run_with_iobinding(io)
         out = list(io.get_outputs())
         logits = _torch(out[0])
@@ -139,7 +148,7 @@ class OrtBackend(CachedBackend):
         if project and self.fc_sess is not None:                   # EAGLE-3 first step: fc(3H features) -> H
             fio = self.fc_sess.io_binding()
             fio.bind_ortvalue_input("features", h_in)
-            fio.bind_output("hidden")
+            fio.bind_output("hidden", *self.kv_device)
             self.fc_sess.run_with_iobinding(fio)
             h_in = fio.get_outputs()[0]
         io, keep = self.draft_sess.io_binding(), [h_in]
@@ -149,7 +158,7 @@ class OrtBackend(CachedBackend):
         keep.append(k)
         io.bind_ortvalue_input("top_k", k)
         for name in ("hidden_out", "top_logp", "top_ids", "present_key_0", "present_value_0"):
-            io.bind_output(name)
+            io.bind_output(name, *(self.kv_device if name.startswith("present_") else ("cpu", 0)))
         self.draft_sess.run_with_iobinding(io)
         h, logp, ids, pk, pv = io.get_outputs()
         self.dcache.appended([pk, pv], N)

@@ -22,13 +22,13 @@ from onnx import TensorProto, helper
 
 from eaglex.models.target import causal_mask
 
-from .ort_session import session_options
+from .ort_session import provider_device, session_options
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 _ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
-def gather_session(count: int, dtype: str) -> ort.InferenceSession:
+def gather_session(count: int, dtype: str, providers: list | None = None) -> ort.InferenceSession:
     """out_i = Gather(kv_i, index, axis=2) for `count` tensors [B,Hkv,T,D] -> [B,Hkv,K,D]."""
     t = _ONNX_DTYPES[dtype]
     shape = ["batch", "heads", "rows", "dim"]
@@ -40,7 +40,8 @@ def gather_session(count: int, dtype: str) -> ort.InferenceSession:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     model.ir_version = 10
     onnx.checker.check_model(model)
-    return ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(),
+                                providers=providers or ["CPUExecutionProvider"])
 
 
 HOLES_MIN = 64        # compact when the holes exceed max(HOLES_MIN, valid rows / HOLES_SHARE)
@@ -48,9 +49,12 @@ HOLES_SHARE = 4
 
 
 class OrtKVCache:
-    def __init__(self, count: int, num_kv_heads: int, head_dim: int, dtype: str):
+    def __init__(self, count: int, num_kv_heads: int, head_dim: int, dtype: str, providers: list | None = None):
+        """`providers`: the engine's (runtime/ort_session.choose_providers); on a GPU provider the values live in
+        device memory (the graphs' present_* outputs and the gathers are bound there) and never cross to the host."""
         self.count, self.heads, self.dim, self.dtype = count, num_kv_heads, head_dim, dtype
-        self.gather = gather_session(count, dtype)
+        self.device = provider_device(providers)
+        self.gather = gather_session(count, dtype, providers)
         self.capacity = 0
         self.reset(0)
 
@@ -119,7 +123,7 @@ class OrtKVCache:
             io.bind_ortvalue_input(f"kv_{i}", v)
         io.bind_cpu_input("index", index.astype(np.int64))
         for i in range(self.count):
-            io.bind_output(f"out_{i}")
+            io.bind_output(f"out_{i}", *self.device)
         self.gather.run_with_iobinding(io)
         self.committed = list(io.get_outputs())
         self.valid = np.ones(index.shape[0], dtype=bool)

@@ -1,8 +1,13 @@
-"""ONNX Runtime sessions for engines: one process-wide thread pool, engine-id checks, plain error messages.
+"""ONNX Runtime sessions for engines: one process-wide thread pool, execution providers, engine-id checks, plain
+error messages.
 
 All sessions of a process share one global intra-op pool sized to the physical cores:
 with a pool per session, the idle spinning threads of the target's session competed with the draft's next call
 and every call got 1.5-3x slower on 2 cores.
+
+Providers: the CPU by default; on a GPU (`choose_providers("cuda:N")`, or an explicit list such as
+TensorrtExecutionProvider,CUDAExecutionProvider) the graphs run on the CUDA or TensorRT execution provider of the
+onnxruntime-gpu package, with the CPU provider behind them for any node they do not take.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import onnxruntime as ort
 from eaglex.models.errors import ModelError
 
 _pool_threads: int | None = None
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 
 
 def physical_cores() -> int:
@@ -64,13 +70,60 @@ def session_options() -> ort.SessionOptions:
     return so
 
 
-def open_session(path: Path, engine_id: str, graph: str) -> ort.InferenceSession:
-    """A CPU session on the global pool for one engine graph; checks that the graph belongs to the engine."""
+def choose_providers(device: str | None = "cpu", providers: str | list[str] | None = None) -> list:
+    """Execution providers for `device` ("cpu", "cuda", "cuda:N", or "auto": CUDA when onnxruntime-gpu is installed
+    and a GPU is visible, else the CPU), or the explicit `providers` (names in order of preference, a list or a
+    comma-separated string). GPU providers get the device id; the CPU provider always comes last, as the fallback
+    for nodes the others do not take. A ModelError names what this ONNX Runtime lacks."""
+    available = ort.get_available_providers()
+    text = str(device or "cpu").strip().lower()
+    index = int(text.split(":", 1)[1]) if text.startswith("cuda:") and text.split(":", 1)[1].isdigit() else 0
+    if providers:
+        names = [p.strip() for p in (providers.split(",") if isinstance(providers, str) else providers) if p.strip()]
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ModelError(f"this ONNX Runtime ({ort.__version__}) has no {', '.join(missing)}; it has "
+                             f"{', '.join(available)} (GPU providers come with the onnxruntime-gpu package)")
+    elif text == "cpu" or (text == "auto" and not (_gpu_visible() and "CUDAExecutionProvider" in available)):
+        names = ["CPUExecutionProvider"]
+    elif text in ("auto", "cuda") or text.startswith("cuda:"):
+        if "CUDAExecutionProvider" not in available:
+            raise ModelError(f"ONNX Runtime engines on {text} need the onnxruntime-gpu package (this one, "
+                             f"{ort.__version__}, has {', '.join(available)}); or use --device cpu")
+        names = ["CUDAExecutionProvider"]
+    else:
+        raise ModelError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    out = [(n, {"device_id": index}) if n in GPU_PROVIDERS else n for n in names]
+    return out if "CPUExecutionProvider" in names else out + ["CPUExecutionProvider"]
+
+
+def provider_device(providers: list | None) -> tuple[str, int]:
+    """Where the first provider keeps tensors, as IOBinding spells it: ("cuda", id) or ("cpu", 0)."""
+    first = (providers or ["CPUExecutionProvider"])[0]
+    name, opts = first if isinstance(first, tuple) else (first, {})
+    return ("cuda", int(opts.get("device_id", 0))) if name in GPU_PROVIDERS else ("cpu", 0)
+
+
+def _gpu_visible() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def open_session(path: Path, engine_id: str, graph: str, providers: list | None = None) -> ort.InferenceSession:
+    """A session on the global pool for one engine graph (CPU unless `providers` say otherwise, see
+    choose_providers); checks that the graph belongs to the engine and that a GPU provider asked for is running."""
+    providers = providers or ["CPUExecutionProvider"]
     try:
-        sess = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(path), session_options(), providers=providers)
     except Exception as e:  # noqa: BLE001 - ORT raises its own types for a truncated or garbled protobuf
         raise ModelError(f"engine file {path} cannot be loaded ({str(e).splitlines()[0][:200]}): it is corrupt; "
                          "rebuild the engine with `eaglex build --force`") from None
+    wanted = [p[0] if isinstance(p, tuple) else p for p in providers]
+    lost = [p for p in wanted if p != "CPUExecutionProvider" and p not in sess.get_providers()]
+    if lost:
+        raise ModelError(f"ONNX Runtime could not start {', '.join(lost)} for {path.name} (it runs "
+                         f"{', '.join(sess.get_providers())}): check the CUDA/cuDNN/TensorRT libraries it needs, "
+                         "or use --device cpu")
     meta = sess.get_modelmeta().custom_metadata_map
     if meta.get("eaglex.engine_id") != engine_id or meta.get("eaglex.graph") != graph:
         raise ModelError(f"engine file {path} belongs to another engine (id {meta.get('eaglex.engine_id')}, graph "
