@@ -87,6 +87,7 @@ ENGINE        ?= engines/tiny
 TRITON_DIR    ?= build/triton
 TRITON_MODEL  ?= eaglex
 TRITON_INSTANCES ?= 1
+TRITON_MAX_BATCH ?=
 TRITON_HTTP_PORT    ?= 8000
 TRITON_GRPC_PORT    ?= 8001
 TRITON_METRICS_PORT ?= 8002
@@ -101,7 +102,7 @@ serve-check-engine:
 serve: serve-check-engine $(STAMP)  ## start the supervised tritonserver on 127.0.0.1 serving $(ENGINE); returns once ready
 	@$(TRITON_SERVER) check --pid-file $(TRITON_DIR)/server.pid
 	$(BIN)/eaglex triton --engine $(ENGINE) --out $(TRITON_DIR)/model_repository --name $(TRITON_MODEL) \
-		--instances $(TRITON_INSTANCES) --force
+		--instances $(TRITON_INSTANCES) $(if $(TRITON_MAX_BATCH),--max-batch $(TRITON_MAX_BATCH)) --force
 	$(TRITON_SERVER) start --repo $(TRITON_DIR)/model_repository \
 		--pid-file $(TRITON_DIR)/server.pid --log $(TRITON_DIR)/server.log --http-port $(TRITON_HTTP_PORT) \
 		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT) $(if $(TRITON_OPEN_ADMIN),--open-admin-api)

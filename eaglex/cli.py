@@ -181,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tensorrt-llm: a copy of TensorRT-LLM's llmapi model folder (default: the container's)")
     tri.add_argument("--max-batch-size", type=int, default=0, help="tensorrt-llm: Triton's max_batch_size")
     tri.add_argument("--decoupled", action="store_true", help="tensorrt-llm: decoupled (streaming) model")
-    tri.add_argument("--instances", type=int, default=1, help="model instances (one request each at a time)")
+    tri.add_argument("--instances", type=int, default=1,
+                     help="model instances (with --max-batch 0: one request each at a time)")
+    tri.add_argument("--max-batch", type=int, default=None,
+                     help="requests one instance decodes together by in-flight batching (default: 16 with one "
+                          "instance; 0: one request at a time per instance, the default with --instances > 1)")
     tri.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
     tri.add_argument("--threads", type=int, default=0,
                      help="intra-op threads per instance (0: the backend's default)")
@@ -400,9 +404,12 @@ def cmd_triton(args) -> int:
         return 0
     from eaglex.engines.triton.repository import write_repository
 
+    max_batch = args.max_batch if args.max_batch is not None else 16 if args.instances == 1 else 0
     model = write_repository(args.engine, args.out, args.name or "eaglex", args.instances, args.max_queue_size,
-                             args.threads, "vanilla" if args.vanilla else "default", args.copy, args.force)
-    print(f"wrote {model} (engine {args.engine.resolve()}, {args.instances} instance(s)); serve it with\n"
+                             args.threads, "vanilla" if args.vanilla else "default", args.copy, args.force,
+                             max_batch=max_batch)
+    how = f"batching up to {max_batch} requests" if max_batch else f"{args.instances} instance(s)"
+    print(f"wrote {model} (engine {args.engine.resolve()}, {how}); serve it with\n"
           f"  make serve ENGINE={args.engine}   (docs/triton.md)")
     return 0
 

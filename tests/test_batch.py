@@ -259,9 +259,14 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
 
 def test_a_request_alone_runs_the_single_request_path_bit_identically(ort_engine, prompts):
     """One request at a time through the batcher (max batch 4, and max batch 1 with requests queued behind) is the
-    single-request generator itself: the same tokens, cycles and accepted lengths, greedy and sampled."""
+    single-request generator itself: the same tokens, cycles and accepted lengths, greedy and sampled; sampled, it
+    is also what the same request decodes batched."""
+    tree = ort_engine.batch_schedule().tree(1)
     for sampling in (SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=11)):
-        want = [ort_engine.generator(sampling).generate(p, MAX_NEW) for p in prompts[:4]]
+        # greedy: the engine's own generator; sampled: the schedule's chain (the same draws as batched)
+        alone = ort_engine.generator(sampling) if sampling.greedy else \
+            SpeculativeGenerator(ort_engine.backend, tree, sampling)
+        want = [alone.generate(p, MAX_NEW) for p in prompts[:4]]
         gen = ort_engine.batcher(4)
         got = []
         for p in prompts[:4]:
@@ -278,6 +283,11 @@ def test_a_request_alone_runs_the_single_request_path_bit_identically(ort_engine
             for x in (r, q):
                 assert x.error is None and x.result.output_ids == w.output_ids
                 assert (x.result.cycles, x.result.accept_lengths) == (w.cycles, w.accept_lengths)
+        if not sampling.greedy:
+            many = ort_engine.batcher(4)
+            batched = [many.submit(p, MAX_NEW, sampling) for p in prompts[:4]]
+            many.run()
+            assert [r.result.output_ids for r in batched] == [w.output_ids for w in want]
 
 
 def test_requests_joining_a_request_alone_batch_next_to_it(ort_engine, prompts):

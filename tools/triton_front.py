@@ -11,7 +11,8 @@ port is an internal loopback port. For each request the front:
 - answers `/v2/health/live`, `/v2/health/ready` and `/v2/models/<m>[/versions/<v>]/ready` from the supervisor's
   view of the server and of each model's backend processes (Triton keeps answering 200 after a stub died);
 - refuses inference with 503 + Retry-After while a model is being reloaded or the server restarted, and turns
-  Triton's 400 "Stub process ... is not healthy" (a server fault) into a 503 and tells the supervisor;
+  Triton's 400 "Stub process ... is not healthy" (a server fault) into a 503 and tells the supervisor, and a
+  batching model's 400 "Exceeds maximum queue size" (its own queue is full) into a 503, as Triton's own queue says;
 - refuses the administrative APIs (shared memory, model repository, logging, trace) with 403 unless the server
   was started with them open or the request carries the admin key header (Triton checks the same header);
 - relays everything else byte for byte, streaming responses (generate_stream's server-sent events) as they come,
@@ -523,6 +524,9 @@ class Front:
                     self.sup.on_unhealthy(model, data.decode(errors="replace"))
                     raise HttpError(503, f"model {model} is unavailable: its backend process died; the supervisor "
                                          "is restarting it, retry shortly", {"Retry-After": "5"})
+                if b"Exceeds maximum queue size" in data:     # a batching model's own queue is full: Triton says 400
+                    text = data.decode(errors="replace")
+                    raise HttpError(503, text[text.find("Exceeds"):].split('"')[0], {"Retry-After": "1"})
                 self._write_head(writer, status, headers, keep, len(data))
                 writer.write(data)
                 await writer.drain()

@@ -8,20 +8,30 @@ Design:
 - Decoupled transaction policy. With `stream` true a request gets one response per verification cycle (the tokens
   that cycle accepted, and the text they complete), then a final response carrying the statistics; with `stream`
   false (the default, as in TensorRT-LLM) exactly one response, which is what `/generate` needs.
-- One request at a time per instance: a backend owns one KV cache. Concurrency comes from `instance_group` count
-  (one stub process each) and Triton's queue in front of them (config.pbtxt's dynamic_batching queue policy).
+- Batching (parameter `max_batch` N > 0, what `eaglex triton` writes by default): one instance, one copy of the
+  weights. `execute` only checks and enqueues; one engine thread runs the in-flight batcher
+  (runtime/batch.BatchedGenerator, with the engine's batch schedule), which admits waiting requests into free KV
+  slots between steps and decodes every active request each step; each request streams through its own sender as
+  its cycles complete, and a request alone in flight runs the single-request path. At most `max_queue_size`
+  requests wait for a slot; more are refused with UNAVAILABLE (HTTP 503), as Triton's own queue does.
+- Without batching (`max_batch` 0): one request at a time per instance, a backend owning one KV cache;
+  concurrency comes from `instance_group` count (one stub process each) and Triton's queue in front of them
+  (config.pbtxt's dynamic_batching queue policy).
 - Client mistakes become TritonError INVALID_ARG/UNSUPPORTED (HTTP 400) and the instance keeps serving; anything
   else becomes INTERNAL (500) with the traceback in the server log.
 - Cancellation (a gRPC stream cancelled, a request timed out in Triton, a client gone mid-stream) is checked once
   per cycle; the generation stops there and frees the instance for the next request.
 - Custom metrics on Triton's /metrics endpoint: requests by outcome, output tokens, cycles, accepted draft tokens
   (those of cancelled requests included) and the last finished request's tau (mean tokens per cycle; over a window
-  use rate(output tokens) / rate(cycles)).
+  use rate(output tokens) / rate(cycles)); with batching also the requests decoding now, the requests waiting for
+  a slot and the KV memory of one slot.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +57,7 @@ class _Metrics:
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         requests = family("eaglex_requests_total", "eaglex requests by outcome", counter)
         self.requests = {o: requests.Metric(labels={"model": model, "outcome": o})
-                         for o in ("success", "invalid", "cancelled", "failed")}
+                         for o in ("success", "invalid", "cancelled", "failed", "rejected")}
         labels = {"model": model}
         self.tokens = family("eaglex_output_tokens_total", "tokens generated", counter).Metric(labels=labels)
         self.cycles = family("eaglex_cycles_total", "draft-then-verify cycles (target verifications)",
@@ -56,10 +66,23 @@ class _Metrics:
                                counter).Metric(labels=labels)
         self.tau = family("eaglex_tau", "tau (mean tokens per cycle) of the last finished request",
                           gauge).Metric(labels=labels)
+        self.active = self.waiting = self.slot_bytes = None
+
+    def batching(self, model: str) -> None:
+        """The batching gauges (only for a batching model)."""
+        gauge, labels = pb_utils.MetricFamily.GAUGE, {"model": model}
+
+        def metric(name, doc):
+            self.families.append(pb_utils.MetricFamily(name=name, description=doc, kind=gauge))
+            return self.families[-1].Metric(labels=labels)
+        self.active = metric("eaglex_active_requests", "requests decoding now (the in-flight batch)")
+        self.waiting = metric("eaglex_queue_depth", "requests waiting for a batch slot")
+        self.slot_bytes = metric("eaglex_kv_slot_bytes", "KV cache memory of one batch slot (target + draft)")
 
     def close(self) -> None:
         """Metrics first, families last: the order Triton requires."""
         self.requests = self.tokens = self.cycles = self.accepted = self.tau = None
+        self.active = self.waiting = self.slot_bytes = None
         self.families.clear()
 
 
@@ -81,17 +104,31 @@ class TritonPythonModel:
         self.limits = Limits(spec.vocab_size, spec.max_context, int(params.get("max_input_bytes") or 65536),
                              int(params.get("default_max_tokens") or 128), self.engine.tokenizer is not None)
         self.metrics = _Metrics(self.name)
+        max_batch = int(params.get("max_batch") or 0)
+        self.batching = None
+        how = "one request at a time"
+        if max_batch > 0:
+            self.metrics.batching(self.name)
+            self.batching = _Batching(self, max_batch, int(params.get("max_queue_size") or 64))
+            b = self.batching
+            how = (f"batching up to {max_batch} requests (schedule {b.schedule}), KV "
+                   f"{b.slot_bytes / 2 ** 20:.1f} MiB per slot, at most {b.max_queue} waiting")
         pb_utils.Logger.log_info(
             f"eaglex: {args['model_instance_name']} loaded {engine_dir} ({self.engine.layout}, method "
-            f"{self.engine.method}, tree {self.engine.tree}) in {time.perf_counter() - t0:.1f} s")
+            f"{self.engine.method}, tree {self.engine.tree}) in {time.perf_counter() - t0:.1f} s; {how}")
 
     def execute(self, requests):
         # Decoupled: responses go through each request's sender; execute returns None.
         for request in requests:
-            self._serve(request)
+            if self.batching is not None:
+                self.batching.enqueue(request)
+            else:
+                self._serve(request)
         return None
 
     def finalize(self):
+        if self.batching is not None:
+            self.batching.close()
         self.metrics.close()
         self.engine = None
 
@@ -122,9 +159,9 @@ class TritonPythonModel:
     def _tokenize(self, text: str) -> list[int]:
         return list(self.engine.tokenizer(text)["input_ids"])
 
-    def _generate(self, req, request, sender) -> None:
-        """Runs the request; end_id, stop words, cancellation and a vanished client end it through the generator's
-        stop hook, so the result keeps its statistics (tau, cycles) whatever ended it."""
+    def _hooks(self, req, request, sender):
+        """-> (text stream, ended, on_tokens, stop): end_id, stop words, cancellation and a vanished client end the
+        request through the generator's stop hook, so the result keeps its statistics (tau, cycles)."""
         text = TextStream(self.engine.tokenizer, req.stop_words)
         ended: list[str] = []                # why the hook stopped the generation, if it did
 
@@ -145,29 +182,40 @@ class TritonPythonModel:
             if not ended and request.is_cancelled():
                 ended.append("cancelled")
             return bool(ended)
+        return text, ended, on_tokens, stop
 
+    def _generate(self, req, request, sender) -> None:
+        """Runs the request alone on this instance."""
+        text, ended, on_tokens, stop = self._hooks(req, request, sender)
         result = None
         try:
             try:
                 result = self.engine.generator(req.sampling).generate(req.input_ids, req.max_tokens, on_tokens, stop)
             except ValueError as e:              # the runtime's own input checks
                 raise RequestError(str(e)) from None
-            if ended and ended[0] == "cancelled":
-                raise _Abort()
-            stats = {"tau": result.tau, "cycles": result.cycles,
-                     "accepted": sum(result.accept_lengths) - len(result.accept_lengths),
-                     "reason": ended[0] if ended else result.stop_reason}
-            rest = text.finish()
-            out = self._outputs(rest if req.stream else text.text, None if req.stream else text.ids, stats)
-            self._send(sender, out, final=True)
-            self.metrics.tau.set(result.tau)
+            self._final(req, result, text, ended, sender)
         finally:
-            # tokens and cycles count whatever became of the request (finished, cancelled, failed mid-way)
-            if result is not None:
-                m = self.metrics
-                m.tokens.increment(len(result.output_ids))
-                m.cycles.increment(result.cycles)
-                m.accepted.increment(sum(result.accept_lengths) - len(result.accept_lengths))
+            self._count(result)
+
+    def _final(self, req, result, text, ended: list[str], sender) -> None:
+        """The last response (raises _Abort for a cancelled request)."""
+        if ended and ended[0] == "cancelled":
+            raise _Abort()
+        stats = {"tau": result.tau, "cycles": result.cycles,
+                 "accepted": sum(result.accept_lengths) - len(result.accept_lengths),
+                 "reason": ended[0] if ended else result.stop_reason}
+        rest = text.finish()
+        out = self._outputs(rest if req.stream else text.text, None if req.stream else text.ids, stats)
+        self._send(sender, out, final=True)
+        self.metrics.tau.set(result.tau)
+
+    def _count(self, result) -> None:
+        """tokens and cycles count whatever became of the request (finished, cancelled, failed mid-way)"""
+        if result is not None:
+            m = self.metrics
+            m.tokens.increment(len(result.output_ids))
+            m.cycles.increment(result.cycles)
+            m.accepted.increment(sum(result.accept_lengths) - len(result.accept_lengths))
 
     def _outputs(self, delta: str, ids, stats: dict | None = None) -> list:
         """Output tensors with the leading batch dimension (max_batch_size 1)."""
@@ -200,3 +248,147 @@ class TritonPythonModel:
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as e:  # noqa: BLE001 - nobody left to tell (the request was cancelled, its client gone)
             pb_utils.Logger.log_warn(f"eaglex: could not send the {code} error ({message}): {e}")
+
+
+class _Job:
+    """One request in the batching model: its Triton request and sender, parsed form, text stream and hooks."""
+
+    def __init__(self, model: TritonPythonModel, request, sender, req):
+        self.request, self.sender, self.req = request, sender, req
+        self.text, self.ended, self.on_tokens, self.stop = model._hooks(req, request, sender)
+        self.handle = None              # its runtime.batch.Request once submitted
+
+
+class _Batching:
+    """The engine thread: enqueue() (Triton's execute thread) hands requests over; the thread submits them to the
+    in-flight batcher, steps it while anything is queued or decoding, and answers each request as it finishes."""
+
+    def __init__(self, model: TritonPythonModel, max_batch: int, max_queue: int):
+        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.schedule = model.engine.batch_schedule()
+        self.gen = model.engine.batcher(max_batch, self.schedule)
+        self.slot_bytes = self.gen.backend.slot_bytes
+        self.lock = threading.Condition()
+        self.inbox: list[_Job] = []
+        self.jobs: dict = {}            # batch Request -> _Job
+        self.closed = False
+        self._gauges = (None, None)
+        model.metrics.slot_bytes.set(self.slot_bytes)
+        self.thread = threading.Thread(target=self._loop, name="eaglex-engine", daemon=True)
+        self.thread.start()
+
+    # --- Triton's thread --------------------------------------------------------------------------------------
+    def enqueue(self, request) -> None:
+        m = self.model
+        sender = request.get_response_sender()
+        try:
+            if request.is_cancelled():
+                raise _Abort()
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            job = _Job(m, request, sender, parse(arrays, request.parameters(), m.limits, m._tokenize))
+        except RequestError as e:
+            return self._refuse(sender, "invalid", e.code, str(e))
+        except _Abort:
+            return self._refuse(sender, "cancelled", "CANCELLED", "the request was cancelled")
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the model down
+            pb_utils.Logger.log_error(f"eaglex: request failed: {traceback.format_exc()}")
+            return self._refuse(sender, "failed", "INTERNAL", f"eaglex failed on this request: {type(e).__name__}: {e}")
+        with self.lock:
+            if self.closed:
+                return self._refuse(sender, "rejected", "UNAVAILABLE", "the model is unloading")
+            if len(self.inbox) + self.gen.queue_depth >= self.max_queue:
+                return self._refuse(sender, "rejected", "UNAVAILABLE",
+                                    f"Exceeds maximum queue size: {self.max_queue} requests wait for a batch slot")
+            self.inbox.append(job)
+            self.lock.notify()
+
+    def _refuse(self, sender, outcome: str, code: str, message: str) -> None:
+        self.model._fail(sender, code, message)
+        self.model.metrics.requests[outcome].increment(1)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify()
+        self.thread.join(timeout=30)
+
+    # --- the engine thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.inbox and self.gen.idle and not self.closed:
+                    self._gauge()
+                    self.lock.wait()
+                if self.closed:
+                    break
+                new, self.inbox = self.inbox, []
+            for job in new:
+                self._submit(job)
+            self._drop_cancelled()
+            try:
+                finished = self.gen.step()
+            except Exception as e:  # noqa: BLE001 - a failed step: fail what it held, start over with fresh slots
+                pb_utils.Logger.log_error(f"eaglex: batch step failed: {traceback.format_exc()}")
+                self._reset(f"eaglex failed on this batch: {type(e).__name__}: {e}")
+                continue
+            for handle in finished:
+                self._finish(self.jobs.pop(handle))
+            self._gauge()
+        self._reset("the model is unloading", "UNAVAILABLE")
+        for job in self.inbox:
+            self._refuse(job.sender, "rejected", "UNAVAILABLE", "the model is unloading")
+
+    def _gauge(self) -> None:
+        now = (self.gen.in_flight, self.gen.queue_depth + len(self.inbox))
+        if now != self._gauges:
+            self._gauges = now
+            self.model.metrics.active.set(now[0])
+            self.model.metrics.waiting.set(now[1])
+
+    def _submit(self, job: _Job) -> None:
+        try:
+            job.handle = self.gen.submit(job.req.input_ids, job.req.max_tokens, job.req.sampling, job.on_tokens,
+                                         job.stop)
+        except ValueError as e:              # the runtime's own input checks
+            return self._refuse(job.sender, "invalid", "INVALID_ARG", str(e))
+        self.jobs[job.handle] = job
+
+    def _drop_cancelled(self) -> None:
+        """Requests cancelled while they wait for a slot leave the queue (running ones stop at their next cycle)."""
+        queue = self.gen.queue
+        if not queue:
+            return
+        keep = [h for h in queue if not self.jobs[h].request.is_cancelled()]
+        if len(keep) != len(queue):
+            for h in set(queue) - set(keep):
+                job = self.jobs.pop(h)
+                self._refuse(job.sender, "cancelled", "CANCELLED", "the request was cancelled")
+            queue.clear()
+            queue.extend(keep)
+
+    def _finish(self, job: _Job) -> None:
+        m, handle = self.model, job.handle
+        outcome = "failed"
+        try:
+            if handle.error is not None:
+                raise handle.error
+            m._final(job.req, handle.result, job.text, job.ended, job.sender)
+            outcome = "success"
+        except _Abort:
+            outcome = "cancelled"
+            m._fail(job.sender, "CANCELLED", "the request was cancelled")
+        except Exception as e:  # noqa: BLE001 - this request alone
+            pb_utils.Logger.log_error(f"eaglex: request failed: {''.join(traceback.format_exception(e))}")
+            m._fail(job.sender, "INTERNAL", f"eaglex failed on this request: {type(e).__name__}: {e}")
+        finally:
+            m.metrics.requests[outcome].increment(1)
+            m._count(handle.result)
+
+    def _reset(self, message: str, code: str = "INTERNAL") -> None:
+        """Fail every submitted request (decoding or waiting) and start a fresh batcher."""
+        jobs, self.jobs = list(self.jobs.values()), {}
+        for job in jobs:
+            self._refuse(job.sender, "failed" if code == "INTERNAL" else "rejected", code, message)
+            self.model._count(job.handle.result)
+        if code == "INTERNAL":
+            self.gen = self.model.engine.batcher(self.max_batch, self.schedule)

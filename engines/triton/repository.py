@@ -1,6 +1,7 @@
 """`eaglex triton`: write a Triton model repository whose Python-backend model serves an eaglex engine folder.
 
-    <out>/<name>/config.pbtxt     decoupled Python model, CPU instances, queue policy, tensorrtllm_backend tensor names
+    <out>/<name>/config.pbtxt     decoupled Python model, CPU instance(s), batching, queue policy, tensorrtllm_backend
+                                  tensor names
     <out>/<name>/1/model.py       re-exports eaglex.engines.triton.model.TritonPythonModel
 
 The engine is referenced by absolute path (engines can be many GB); `copy=True` copies it into `<name>/1/engine`
@@ -51,13 +52,23 @@ from eaglex.engines.triton.model import TritonPythonModel  # noqa: F401
 
 def config_pbtxt(name: str, engine_dir: str, instances: int = 1, max_queue_size: int = 64, threads: int = 0,
                  method: str = "default", max_input_bytes: int = 65536, default_max_tokens: int = 128,
-                 tree: str | None = None) -> str:
+                 tree: str | None = None, max_batch: int = 0) -> str:
     def tensor(n, t, dims, optional=None):
         opt = f" optional: {'true' if optional else 'false'}" if optional is not None else ""
         return f'  {{ name: "{n}" data_type: {t} dims: {dims}{opt} }}'
 
     params = {"engine_dir": engine_dir, "method": method, "threads": str(threads),
-              "max_input_bytes": str(max_input_bytes), "default_max_tokens": str(default_max_tokens)}
+              "max_input_bytes": str(max_input_bytes), "default_max_tokens": str(default_max_tokens),
+              "max_batch": str(max_batch), "max_queue_size": str(max_queue_size)}
+    if max_batch > 0:
+        concurrency = (f"# Concurrency comes from in-flight batching inside the one instance: up to {max_batch} requests "
+                       "decode together\n# (parameter max_batch), one copy of the weights.")
+        instance = ("# One instance: a stub process whose engine thread decodes every request in flight, "
+                    "one KV slot each.")
+    else:
+        concurrency = "# Concurrency comes from instances, not from batching."
+        instance = ("# Each instance is one stub process holding the engine and one KV cache, serving one request at "
+                    "a time.")
     if tree:
         params["tree"] = str(tree)
     param_lines = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{_escape(v)}" }} }}' for k, v in params.items())
@@ -67,7 +78,8 @@ def config_pbtxt(name: str, engine_dir: str, instances: int = 1, max_queue_size:
 name: "{name}"
 backend: "python"
 # One sequence per request; the batch dimension is there so that TensorRT-LLM clients ([1, 1] tensors) and the
-# generate extension work unchanged. Concurrency comes from instances, not from batching.
+# generate extension work unchanged.
+{concurrency}
 max_batch_size: 1
 # Decoupled: with stream=true one response per verification cycle, then a final one with the statistics.
 model_transaction_policy {{ decoupled: true }}
@@ -82,7 +94,7 @@ dynamic_batching {{
     allow_timeout_override: true
   }}
 }}
-# Each instance is one stub process holding the engine and one KV cache, serving one request at a time.
+{instance}
 instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
 input [
 {inputs}
@@ -93,7 +105,8 @@ output [
 # engine_dir: absolute, or relative to the version folder. method: default (the engine's) or vanilla. threads:
 # intra-op threads per instance (0 = the backend's default). max_input_bytes: longest text_input accepted.
 # default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides
-# the engine's own (tuned) tree.
+# the engine's own (tuned) tree. max_batch: requests decoded together by in-flight batching (0: one request at a
+# time per instance); with batching at most max_queue_size requests wait for a slot, more are refused (503).
 parameters [
 {param_lines}
 ]
@@ -106,14 +119,22 @@ def _escape(v: str) -> str:
 
 def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int = 1, max_queue_size: int = 64,
                      threads: int = 0, method: str = "default", copy: bool = False, force: bool = False,
-                     max_input_bytes: int = 65536, default_max_tokens: int = 128, tree: str | None = None) -> Path:
-    """Write `<out_dir>/<name>`; returns that model folder. Bad arguments raise a one-line ModelError."""
+                     max_input_bytes: int = 65536, default_max_tokens: int = 128, tree: str | None = None,
+                     max_batch: int = 0) -> Path:
+    """Write `<out_dir>/<name>`; returns that model folder. `max_batch` > 0: one instance decoding up to that many
+    requests together (in-flight batching); 0: one request at a time per instance. Bad arguments raise a one-line
+    ModelError."""
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise ModelError(f"model name {name!r}: use letters, digits, '_', '-' and '.'")
     for what, v, lo in (("instances", instances, 1), ("max queue size", max_queue_size, 1), ("threads", threads, 0),
                         ("max input bytes", max_input_bytes, 1), ("default max tokens", default_max_tokens, 1)):
         if v < lo:
             raise ModelError(f"{what} must be >= {lo}, got {v}")
+    if max_batch < 0:
+        raise ModelError(f"max batch must be >= 0, got {max_batch}")
+    if max_batch > 0 and instances != 1:
+        raise ModelError(f"in-flight batching serves from one instance (one copy of the weights), got {instances} "
+                         "instances: use max batch 0 for one-request instances")
     if method not in ("default", "vanilla"):
         raise ModelError(f"method must be default or vanilla, got {method!r}")
     engine = Path(engine_dir).resolve()
@@ -133,5 +154,5 @@ def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int =
         ref = "engine"
     (version / "model.py").write_text(MODEL_PY)
     (model / "config.pbtxt").write_text(config_pbtxt(name, ref, instances, max_queue_size, threads, method,
-                                                     max_input_bytes, default_max_tokens, tree))
+                                                     max_input_bytes, default_max_tokens, tree, max_batch))
     return model
