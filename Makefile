@@ -112,3 +112,12 @@ serve-stop:      ## stop the server that `make serve` started (and say what happ
 
 serve-status:    ## is the server that `make serve` started ready? (restarts, reloads, ports)
 	@$(TRITON_SERVER) status --pid-file $(TRITON_DIR)/server.pid
+
+# Load benchmark of the deployment (tools/bench_serve.py): vanilla batched, EAGLE batched and one request at a time,
+# closed-loop clients on loopback at each concurrency, a fixed request count per row; its own servers on free ports.
+BENCH_SERVE_CONCURRENCY ?= 1,2,4,8,16,32
+BENCH_SERVE_ARGS ?=
+.PHONY: bench-serve
+bench-serve: serve-check-engine $(STAMP)  ## load benchmark of the Triton deployment: build/bench_serve.json + .png
+	$(BIN)/python tools/bench_serve.py --engine $(ENGINE) --concurrency $(BENCH_SERVE_CONCURRENCY) \
+		--out build/bench_serve.json --plot build/bench_serve.png $(BENCH_SERVE_ARGS)

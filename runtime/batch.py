@@ -11,9 +11,10 @@ Prefill stays out of the batched forwards: a joining request's prompt runs alone
 context catches up lazily (rows that fell behind by more than one cycle, e.g. after vanilla steps or a prefill,
 extend alone; the others extend together, padded to the longest).
 
-Alone in flight: a request that arrives while nothing else is decoding runs on the single-request generator
-(`solo`, e.g. Engine.generator: the engine's own method and tree, the Backend's own KV cache) one cycle per step,
-so concurrency 1 costs what one request alone costs and its output is bit-identical to the single-request path.
+Alone in flight: a request that arrives while nothing else is decoding runs on a single-request generator
+(`solo`; Engine.batcher gives greedy requests the engine's own method and tree, sampled ones the schedule's chain at
+one request, so that their draws are those of a batch) over the Backend's own KV cache, one cycle per step, so
+concurrency 1 costs what one request alone costs and a greedy output is bit-identical to the single-request path.
 It keeps that lane until it finishes; requests arriving meanwhile batch in the slots next to it (one extra forward
 per step while both run). The lane counts against the batch's capacity (`slots`), so max batch 1 is exactly the
 single-request path. The single-request loop runs in a helper thread that holds the baton for one cycle per step

@@ -1,0 +1,304 @@
+"""Load benchmark of the Triton deployment (`make bench-serve`): a loopback client against the supervised server
+(tools/triton_server.py, what `make serve` starts), closed-loop at fixed concurrencies with a fixed number of
+requests per row, for each deployment:
+
+- vanilla: in-flight batching without drafting (`eaglex triton --vanilla --max-batch N`);
+- eagle:   in-flight batching with the engine's batch schedule (`eaglex triton --max-batch N`, the default);
+- single:  one instance serving one request at a time (`--max-batch 0`, the deployment before batching).
+
+Every request streams (generate_stream, token ids in, greedy, fp32 engine) so that time to first token and time per
+output token are measured per request; every output is compared with the prompt decoded alone by vanilla decoding
+in this process (column `exact`: the fraction equal, which lossless decoding makes 1.0).
+
+Per row: aggregate tokens/s, per-request tokens/s (mean), TTFT and TPOT p50/p99, request latency p99, mean accepted
+length (tokens per target verification), the speculation the server runs at that concurrency, errors. Writes JSON
+and a PNG (tokens/s and p99 latency against concurrency; needs matplotlib: pip install -e '.[bench]') and prints a
+markdown table with the speedup of eagle over vanilla batching at each concurrency.
+
+    python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
+        [--max-tokens 64] [--modes vanilla,eagle,single] [--out build/bench_serve.json] [--plot build/bench_serve.png]
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import statistics
+import sys
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import triton_server  # noqa: E402
+
+from eaglex.engines.triton.repository import write_repository  # noqa: E402
+from eaglex.engines.tune import tune_batching  # noqa: E402
+from eaglex.runtime.batch import Schedule  # noqa: E402
+from eaglex.runtime.engine import open_engine  # noqa: E402
+from eaglex.runtime.manifest import MANIFEST, read_manifest  # noqa: E402
+
+TEXTS = ["The quick brown fox", "Once upon a time there was a", "In the beginning", "Write a story about a cat",
+         "Explain gravity to a child:", "The best way to learn is", "Speculative decoding works by",
+         "My favourite food is", "The history of the city", "How do computers work?", "A poem about the sea:",
+         "Tomorrow the weather will be"]
+MODES = ("vanilla", "eagle", "single")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
+def stream_request(port: int, model: str, ids: list[int], max_tokens: int, timeout: float = 300) -> dict:
+    """One generate_stream request through the front -> times, tokens, stats or error."""
+    body = json.dumps({"input_ids": ids, "max_tokens": max_tokens, "stream": True}).encode()
+    out = {"ids": [], "t0": time.perf_counter(), "first": None, "end": None, "error": None, "cycles": 0}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", f"/v2/models/{model}/generate_stream", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            out["error"] = f"{r.status} {r.read().decode(errors='replace')[:200]}"
+            return out
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                out["error"] = event["error"]
+                break
+            ids_ = event.get("output_ids")
+            if ids_ is not None:
+                got = [ids_] if isinstance(ids_, int) else list(ids_)
+                if got and out["first"] is None:
+                    out["first"] = time.perf_counter()
+                out["ids"] += got
+            if "cycles" in event:
+                out["cycles"] = int(event["cycles"])
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        out["end"] = time.perf_counter()
+        conn.close()
+    return out
+
+
+def run_row(port: int, model: str, prompts: list[list[int]], want: list[list[int]], concurrency: int, n: int,
+            max_tokens: int) -> dict:
+    """n requests, `concurrency` clients each sending its next request when the last one finished."""
+    counter, lock, records = itertools.count(), threading.Lock(), []
+
+    def client():
+        while True:
+            with lock:
+                i = next(counter)
+            if i >= n:
+                return
+            rec = stream_request(port, model, prompts[i % len(prompts)], max_tokens)
+            rec["index"] = i
+            with lock:
+                records.append(rec)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    ok = [r for r in records if r["error"] is None]
+    tokens = sum(len(r["ids"]) for r in ok)
+    ttft = [r["first"] - r["t0"] for r in ok if r["first"] is not None]
+    tpot = [(r["end"] - r["first"]) / (len(r["ids"]) - 1) for r in ok if r["first"] is not None and len(r["ids"]) > 1]
+    latency = [r["end"] - r["t0"] for r in ok]
+    cycles = sum(r["cycles"] for r in ok)
+    exact = sum(r["ids"] == want[r["index"] % len(want)] for r in ok)
+    ms = lambda v: None if v is None else round(1000 * v, 2)  # noqa: E731
+    return {"concurrency": concurrency, "requests": n, "served": len(ok), "errors": len(records) - len(ok),
+            "error_sample": next((r["error"] for r in records if r["error"]), None),
+            "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+            "per_request_tokens_per_s": round(statistics.mean(len(r["ids"]) / (r["end"] - r["t0"]) for r in ok), 1)
+            if ok else None,
+            "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
+            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99)),
+            "latency_p99_s": None if not latency else round(percentile(latency, 99), 3),
+            # tokens per target verification; the prefill's first token is not a cycle's
+            "mean_accepted": round((tokens - len(ok)) / cycles, 3) if cycles else None,
+            "exact": round(exact / len(ok), 4) if ok else None}
+
+
+def speculation(engine, mode: str, concurrency: int, max_batch: int) -> str:
+    """What the server decodes with at this concurrency (the schedule's pick; alone: the engine's own tree)."""
+    if mode == "vanilla":
+        return "off"
+    if mode == "single" or concurrency == 1:
+        return f"on ({engine.tree})" if engine.tree is not None else "off"
+    tree = engine.batch_schedule().tree(min(concurrency, max_batch))
+    return f"on ({tree})" if tree is not None else "off"
+
+
+def serve_mode(args, mode: str, work: Path):
+    repo = work / mode / "repo"
+    write_repository(args.engine, repo, "eaglex", instances=1, threads=args.threads,
+                     max_queue_size=max(64, 2 * max(args.concurrency)),
+                     method="vanilla" if mode == "vanilla" else "default",
+                     max_batch=0 if mode == "single" else args.max_batch, force=True)
+    return triton_server.start(repo, work / mode / "server.pid", work / mode, http_port=0, grpc_port=0,
+                               metrics_port=0, exit_timeout=20, timeout=300)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", type=Path, default=Path("engines/tiny"))
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
+    ap.add_argument("--requests", default="2x",
+                    help="requests per row: a number, or Nx = N times the concurrency (at least --min-requests)")
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32, help="slots of the batching deployments")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads of the server (0: backend default)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
+    ap.add_argument("--schedule", default="auto",
+                    help="batch schedule to serve (e.g. 1:chain:4,4:chain:2,8:vanilla); auto: the engine's stored "
+                         "one, else one measured here as `eaglex engine` does (on a copy of the engine)")
+    ap.add_argument("--out", type=Path, default=Path("build/bench_serve.json"))
+    ap.add_argument("--plot", type=Path, default=Path("build/bench_serve.png"))
+    args = ap.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(modes) <= set(MODES):
+        ap.error(f"--modes: use {', '.join(MODES)}")
+
+    def count(c: int) -> int:
+        r = args.requests
+        return max(args.min_requests, int(r[:-1]) * c if r.endswith("x") else int(r))
+
+    tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
+    engine_name = str(args.engine)
+    engine = open_engine(args.engine)
+    if engine.tokenizer is None:
+        raise SystemExit(f"{args.engine} has no tokenizer")
+    prompts = [list(engine.tokenizer(t)["input_ids"]) for t in TEXTS]
+    stored = (engine.manifest or {}).get("batch_schedule")
+    schedule_from = "engine"
+    if engine.layout == "engine" and engine.method != "vanilla" and (args.schedule != "auto" or not stored):
+        copy = Path(tmp.name) / "engine"               # the engine folder itself is left as it is
+        shutil.copytree(args.engine, copy)
+        manifest = read_manifest(copy)
+        if args.schedule == "auto":
+            engine = open_engine(copy)
+            tune_batching(engine, prompts, manifest, log=print)
+            schedule_from = "measured here"
+        else:
+            manifest["batch_schedule"] = str(Schedule.parse(args.schedule))
+            (copy / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            schedule_from = "--schedule"
+        args.engine, engine = copy, open_engine(copy)
+    ref = open_engine(args.engine, method="vanilla")
+    want = [ref.generator().generate(p, args.max_tokens).output_ids for p in prompts]
+    print(f"bench-serve: {engine_name} ({engine.method}, tree {engine.tree}, batch schedule "
+          f"{engine.batch_schedule()}), {args.max_tokens} tokens per request, greedy; references decoded alone")
+
+    rows = []
+    with tmp:
+        for mode in modes:
+            t0 = time.monotonic()
+            srv = serve_mode(args, mode, Path(tmp.name))
+            try:
+                print(f"[{mode}] server ready in {time.monotonic() - t0:.1f} s")
+                # warm-up (not recorded): every prompt once, a few at a time, so first-run costs stay out of rows
+                run_row(srv.http_port, "eaglex", prompts, want, min(4, len(prompts)), len(prompts), args.max_tokens)
+                for c in args.concurrency:
+                    row = run_row(srv.http_port, "eaglex", prompts, want, c, count(c), args.max_tokens)
+                    row.update(mode=mode, speculation=speculation(engine, mode, c, args.max_batch))
+                    rows.append(row)
+                    print(f"[{mode}] c={c:3d} {row['tokens_per_s']:8.1f} tok/s  ttft p99 {row['ttft_p99_ms']} ms  "
+                          f"tpot p99 {row['tpot_p99_ms']} ms  exact {row['exact']}  errors {row['errors']}",
+                          flush=True)
+            finally:
+                srv.stop()
+
+    table = summary(rows, args.concurrency)
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "engine": engine_name,
+              "method": engine.method, "tree": str(engine.tree), "batch_schedule": str(engine.batch_schedule()),
+              "batch_schedule_from": schedule_from,
+              "max_tokens": args.max_tokens, "max_batch": args.max_batch, "threads": args.threads,
+              "rows": rows, "summary": table}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(rows, table))
+    print(f"wrote {args.out}")
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+    bad = [r for r in rows if r["errors"] or r["exact"] != 1.0]
+    return 1 if bad else 0
+
+
+def summary(rows: list[dict], concurrency: list[int]) -> list[dict]:
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    out = []
+    for c in concurrency:
+        v, e, s = by.get(("vanilla", c)), by.get(("eagle", c)), by.get(("single", c))
+        out.append({"concurrency": c,
+                    "vanilla_tokens_per_s": v and v["tokens_per_s"], "eagle_tokens_per_s": e and e["tokens_per_s"],
+                    "single_tokens_per_s": s and s["tokens_per_s"],
+                    "speedup_vs_vanilla": round(e["tokens_per_s"] / v["tokens_per_s"], 2) if v and e else None,
+                    "speedup_vs_single": round(e["tokens_per_s"] / s["tokens_per_s"], 2) if s and e else None})
+    return out
+
+
+def markdown(rows: list[dict], table: list[dict]) -> str:
+    lines = ["| mode | conc. | requests | tokens/s | per-request tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | "
+             "mean accepted | speculation | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['served']}/{r['requests']} | {r['tokens_per_s']} | "
+                     f"{r['per_request_tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
+                     f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} | {r['mean_accepted']} | {r['speculation']} | "
+                     f"{r['exact']} |")
+    lines += ["", "| conc. | vanilla batched tok/s | EAGLE batched tok/s | speedup | one-at-a-time tok/s | "
+              "EAGLE batched / one-at-a-time |", "|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['concurrency']} | {t['vanilla_tokens_per_s']} | {t['eagle_tokens_per_s']} | "
+                     f"{t['speedup_vs_vanilla']} | {t['single_tokens_per_s']} | {t['speedup_vs_single']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange", "tab:gray")):
+        rs = [r for r in rows if r["mode"] == mode]
+        if not rs:
+            continue
+        c = [r["concurrency"] for r in rs]
+        a.plot(c, [r["tokens_per_s"] for r in rs], marker="o", color=color, label=mode)
+        b.plot(c, [r["tpot_p99_ms"] for r in rs], marker="o", color=color, label=f"{mode} TPOT p99")
+        b.plot(c, [r["ttft_p99_ms"] for r in rs], marker="x", color=color, linestyle="--", label=f"{mode} TTFT p99")
+    for ax, title in ((a, "aggregate tokens/s"), (b, "p99 latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    b.set_yscale("log")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
