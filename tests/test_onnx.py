@@ -279,15 +279,15 @@ def test_cli_bench_engine(engines, tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"input_ids": list(range(i, i + 6))}) + "\n" for i in range(3)))
     out = tmp_path / "bench.json"
     assert main(["bench", "--engine", str(engines["llama-eagle3"]), "--prompts", str(prompts), "--trees",
-                 "chain:2,dynamic:8/4/3", "--max-new-tokens", "16", "--out", str(out)]) == 0
+                 "chain:3,dynamic:8/5/3", "--max-new-tokens", "16", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     cm = d["cost_model"]["ort:llama-eagle3"]
     assert cm["rounds"] == 2 + 3 and set(cm["draft_ms"]) == {"1", "3", "10"}
-    assert {"1", "4", "8"} <= set(cm["target_ms"]) and cm["draft_first_ms"] > 0     # chain:2 verifies 4 nodes
+    assert {"1", "4", "8"} <= set(cm["target_ms"]) and cm["draft_first_ms"] > 0     # chain:3 verifies 4 nodes
     rows = {r["tree"]: r for r in d["rows"]}
-    assert set(rows) == {"-", "chain d2", "dynamic 8/4/3"}
+    assert set(rows) == {"-", "chain:3", "dynamic:8/5/3"}
     assert all(r["identical_to_vanilla"] for r in rows.values())
-    for label in ("chain d2", "dynamic 8/4/3"):
+    for label in ("chain:3", "dynamic:8/5/3"):
         r = rows[label]
         assert r["decode_speedup"] > 0 and r["predicted_speedup"] > 0 and r["tau"] >= 1
         assert r["measured_over_predicted"] == pytest.approx(r["decode_speedup"] / r["predicted_speedup"], rel=1e-2)
