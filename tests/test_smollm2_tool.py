@@ -1,0 +1,53 @@
+"""tools/smollm2.py's batched self-distillation generator: left padding changes no answer, the preallocated cache
+changes nothing at all, sampling is seeded, and the batches cover every prompt."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import smollm2  # noqa: E402
+
+
+def _model(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 48, (n,), generator=g).tolist() for n in (3, 9, 6, 14)]
+
+
+def test_batched_greedy_equals_one_at_a_time(models):
+    model, prompts = _model(models["llama"]), _prompts()
+    tokens, plen = smollm2.answer_batch(model, prompts, [0.0] * 4, 30, 0, torch.Generator())
+    assert tokens.shape == (4, 30) and plen.tolist() == [len(p) for p in prompts]
+    for i, p in enumerate(prompts):
+        assert tokens[i, :len(p)].tolist() == p
+        alone, _ = smollm2.answer_batch(model, [p], [0.0], 30, 0, torch.Generator())
+        assert tokens[i].tolist() == alone[0].tolist()
+
+
+def test_preallocated_cache_and_seeded_sampling(models):
+    model, prompts = _model(models["llama"]), _prompts()
+    temps = [0.0, 50.0, 0.0, 50.0]                               # the fixture target is very confident
+    runs = [smollm2.answer_batch(model, prompts, temps, 40, 0, torch.Generator().manual_seed(1), prealloc=pre)[0]
+            for pre in (True, False, True)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    other = smollm2.answer_batch(model, prompts, temps, 40, 0, torch.Generator().manual_seed(2))[0]
+    assert torch.equal(other[[0, 2]], runs[0][[0, 2]])          # greedy rows do not depend on the seed
+    assert not torch.equal(other[[1, 3]], runs[0][[1, 3]])
+
+
+def test_jobs_cover_every_prompt():
+    prompts = [[1] * n for n in (5, 3, 9, 3, 7, 4, 8, 6, 2, 5)]
+    cfg = smollm2.BuildConfig(sampled_fraction=0.3, gen_batch=4, temperature=0.7)
+    jobs = smollm2._jobs(cfg, prompts)
+    rows = [r for batch in jobs for r in batch]
+    assert all(len(b) <= 4 for b in jobs)
+    assert sorted(i for i, t in rows if t == 0) == list(range(10))
+    assert sorted(i for i, t in rows if t > 0) == [0, 1, 2]
+    lens = [len(prompts[i]) for i, _ in rows]
+    assert lens == sorted(lens)

