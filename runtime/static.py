@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 MIN_WINDOW = 256
-MAX_GRAPHS = 96          # beyond this many shapes, forwards run eagerly (each graph holds its own activations)
+MAX_GRAPHS = 96          # graphs kept; the least recently replayed one goes first (each holds its own activations)
 
 
 def window_for(end: int, capacity: int) -> int:
@@ -70,8 +70,9 @@ class _Graph:
 
 class CudaGraphs:
     """Captured forwards by key. `run(key, fn, inputs)` calls fn(*inputs) -> tuple of tensors: eagerly the first
-    time a key is seen, captured the second time, replayed from then on. Outputs are returned as fresh tensors
-    (clones), so that a later replay of the same graph never changes what a caller holds."""
+    time a key is seen, captured the second time, replayed from then on; at most `max_graphs` are kept, the least
+    recently replayed dropped first (tuning tries many tree shapes, then one runs). Outputs are returned as fresh
+    tensors (clones), so that a later replay of the same graph never changes what a caller holds."""
 
     def __init__(self, device: torch.device, max_graphs: int = MAX_GRAPHS):
         self.device, self.max_graphs = device, max_graphs
@@ -88,12 +89,16 @@ class CudaGraphs:
         g = self.graphs.get(key)
         if g is None:
             inputs = tuple(x.to(self.device, non_blocking=True) for x in inputs)
-            if key not in self.seen or key in self.failed or len(self.graphs) >= self.max_graphs:
+            if key not in self.seen or key in self.failed:
                 self.seen.add(key)
                 return fn(*inputs)
+            while len(self.graphs) >= self.max_graphs:
+                del self.graphs[next(iter(self.graphs))]
             g = self._capture(key, fn, inputs)
             if g is None:
                 return fn(*inputs)
+        else:
+            self.graphs[key] = self.graphs.pop(key)          # most recently used last
         for buf, x in zip(g.inputs, inputs):     # host inputs are queued without waiting (staged by the driver)
             buf.copy_(x, non_blocking=True)
         g.graph.replay()

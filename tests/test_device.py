@@ -180,3 +180,44 @@ def test_cli_device_flags(models, tmp_path, capsys):
     if NO_CUDA:
         assert main(base + ["--device", "cuda"]) == 2
         assert "use --device cpu" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- the GPU check's dry run
+
+def _gpu_check(tmp_path, *args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "GPU_CHECK_WORK": str(tmp_path / "work")}
+    proc = subprocess.run(["bash", str(repo / "tools/gpu_check.sh"), "--device", "cpu", "--quick", "--budget", "900",
+                           *args], env=env, capture_output=True, text=True, timeout=1200)
+    out = tmp_path / "out"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert all(p["status"] == "ok" for p in results["phases"].values()), results["phases"]
+    return results, (out / "report.txt").read_text()
+
+
+def test_gpu_check_dry_run_cpu(tmp_path):
+    """tools/gpu_check.sh on the CPU: models built and calibrated, the bench table, the checks, the attention table
+    (the equivalence phase, pytest of tests/test_gpu.py, is in the slow variant below)."""
+    results, report = _gpu_check(tmp_path, "--no-install", "--no-peers", "--phases", "env,models,bench,check,attention")
+    assert abs(results["models"]["alpha"] - results["models"]["alpha_target"]) < 0.05
+    rows = results["bench"]["rows"]
+    assert rows[0]["method"] == "vanilla" and all(r["identical_to_vanilla"] for r in rows)
+    assert any(r["method"] == "eagle3" and r["tau"] > 2 for r in rows)
+    assert results["check"]["bench_target"]["prompts"] == 4
+    assert "goals" in report and "attention" in report
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_cpu_full(tmp_path):
+    """The whole dry run as the GPU machine runs it: install without dependencies, then every phase."""
+    results, _ = _gpu_check(tmp_path)
+    counts = results["equivalence"]["counts"]
+    assert counts["failed"] == counts["error"] == 0 and counts["passed"] >= 8
+    assert any(r["method"] == "hf greedy" for r in results["bench"]["rows"])
