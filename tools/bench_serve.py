@@ -1,6 +1,7 @@
 """Load benchmark of the Triton deployment (`make bench-serve`): a loopback client against the supervised server
 (tools/triton_server.py, what `make serve` starts), closed-loop at fixed concurrencies with a fixed number of
-requests per row, for each deployment:
+requests per row, for each deployment (all started at once; at each concurrency the deployments run one after the
+other, so that drift on a busy machine hits them alike):
 
 - vanilla: in-flight batching without drafting (`eaglex triton --vanilla --max-batch N`);
 - eagle:   in-flight batching with the engine's batch schedule (`eaglex triton --max-batch N`, the default);
@@ -206,24 +207,27 @@ def main(argv=None) -> int:
     print(f"bench-serve: {engine_name} ({engine.method}, tree {engine.tree}, batch schedule "
           f"{engine.batch_schedule()}), {args.max_tokens} tokens per request, greedy; references decoded alone")
 
-    rows = []
+    rows, servers = [], {}
     with tmp:
-        for mode in modes:
-            t0 = time.monotonic()
-            srv = serve_mode(args, mode, Path(tmp.name))
-            try:
+        try:
+            for mode in modes:              # every deployment up at once (idle ones wait without using the CPU)
+                t0 = time.monotonic()
+                servers[mode] = srv = serve_mode(args, mode, Path(tmp.name))
                 print(f"[{mode}] server ready in {time.monotonic() - t0:.1f} s")
                 # warm-up (not recorded): every prompt once, a few at a time, so first-run costs stay out of rows
                 run_row(srv.http_port, "eaglex", prompts, want, min(4, len(prompts)), len(prompts), args.max_tokens)
-                for c in args.concurrency:
+            for c in args.concurrency:      # modes interleaved per row: a busy machine's drift hits them alike
+                for mode, srv in servers.items():
                     row = run_row(srv.http_port, "eaglex", prompts, want, c, count(c), args.max_tokens)
                     row.update(mode=mode, speculation=speculation(engine, mode, c, args.max_batch))
                     rows.append(row)
                     print(f"[{mode}] c={c:3d} {row['tokens_per_s']:8.1f} tok/s  ttft p99 {row['ttft_p99_ms']} ms  "
                           f"tpot p99 {row['tpot_p99_ms']} ms  exact {row['exact']}  errors {row['errors']}",
                           flush=True)
-            finally:
+        finally:
+            for srv in servers.values():
                 srv.stop()
+    rows.sort(key=lambda r: (modes.index(r["mode"]), r["concurrency"]))
 
     table = summary(rows, args.concurrency)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "engine": engine_name,
