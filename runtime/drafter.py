@@ -74,7 +74,7 @@ class Drafter:
                                                    project=False, top_k=K)
             cu = (scores[front, None] + lp[0]).flatten()     # [F*K] cumulative log-probs of all children
             scores[n:n + F * K], tokens[n:n + F * K] = cu, tk[0].flatten()
-            parents[n:n + F * K] = front.repeat_interleave(K)
+            parents[n:n + F * K] = front.unsqueeze(1).expand(F, K).reshape(-1)   # = repeat_interleave(K)
             pick = next_frontier(cu, K)                        # best K children over the whole level
             rows = pick // K
             front, front_h, n = pick + n, h[0, rows], n + F * K

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 MIN_WINDOW = 256
-MAX_GRAPHS = 96          # graphs kept; the least recently replayed one goes first (each holds its own activations)
+MAX_GRAPHS = 256         # graphs kept; the least recently replayed one goes first (each holds its own activations)
 
 
 def window_for(end: int, capacity: int) -> int:
