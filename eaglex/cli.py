@@ -48,7 +48,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--engine", type=Path, help="engine folder (`eaglex build`), TensorRT-LLM bundle, folder with "
                                                "target/ and draft/, or a Hugging Face model folder")
-    g.add_argument("--target", type=Path, help="Hugging Face model folder of the target (instead of --engine)")
+    g.add_argument("--target", type=Path, help="Hugging Face model folder of the target, or a Llama-family .gguf file "
+                                               "(instead of --engine)")
     g.add_argument("--draft", type=Path, help="EAGLE head folder (official EAGLE-3 or EAGLE-1/2 layout)")
     g.add_argument("--draft-kind", choices=("eagle3", "eagle1"), help="force the head kind instead of detecting it")
     g.add_argument("--method", choices=METHODS,
@@ -192,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
     tri.add_argument("--copy", action="store_true", help="copy the engine into the repository (portable)")
     tri.add_argument("--force", action="store_true", help="replace the model folder if it exists")
+
+    imp = sub.add_parser("import", help="convert a Llama-family GGUF file into a Hugging Face target folder")
+    imp.add_argument("--gguf", type=Path, required=True, help="the .gguf file (F32, F16, BF16, Q8_0, Q4_x, ...)")
+    imp.add_argument("--out", type=Path, required=True, help="folder to write (config, safetensors, tokenizer)")
+    imp.add_argument("--force", action="store_true", help="replace an existing folder")
 
     trn = sub.add_parser("train-draft", help="train an EAGLE head for a target on its own continuations of prompts")
     trn.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
@@ -414,6 +420,12 @@ def cmd_triton(args) -> int:
     return 0
 
 
+def cmd_import(args) -> int:
+    from eaglex.models.gguf import convert_gguf
+    print(f"wrote {convert_gguf(args.gguf, args.out, overwrite=args.force)}")
+    return 0
+
+
 def cmd_train_draft(args) -> int:
     from eaglex.training.train_draft import TrainDraftConfig, train_draft
 
@@ -424,13 +436,24 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def _gguf_targets(args) -> None:
+    """A .gguf file wherever a target folder is taken: converted once (cached) to a Hugging Face folder."""
+    from eaglex.models.gguf import is_gguf_path, resolve_target
+    for name in ("target", "engine"):
+        value = getattr(args, name, None)
+        if isinstance(value, Path) and is_gguf_path(value):
+            setattr(args, name, resolve_target(value))
+
+
 COMMANDS = {"generate": cmd_generate, "check": cmd_check, "engine": cmd_engine, "bench": cmd_bench,
-            "build": cmd_build, "calibrate": cmd_calibrate, "triton": cmd_triton, "train-draft": cmd_train_draft}
+            "build": cmd_build, "calibrate": cmd_calibrate, "triton": cmd_triton, "train-draft": cmd_train_draft,
+            "import": cmd_import}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _gguf_targets(args)
         return COMMANDS[args.command](args)
     except ModelError as e:
         print(f"eaglex: error: {e}", file=sys.stderr)

@@ -281,3 +281,24 @@ def test_resolve_target_caches_by_file(tiny, tmp_path, monkeypatch):
     assert second != first and len(calls) == 1 and (second / "config.json").is_file()
     monkeypatch.setenv(G.CACHE_ENV, str(tmp_path / "env"))
     assert G.cached_folder(src).parent == tmp_path / "env" / "gguf"
+
+
+def test_cli_import_and_gguf_as_target(tiny, tmp_path, monkeypatch, capsys):
+    """`eaglex import --gguf F --out D` writes the folder; every --target also takes the .gguf file itself (converted
+    once into the cache) and decodes like the converted folder."""
+    import json as _json
+
+    from eaglex.cli import main
+    gguf = tiny[0]
+    monkeypatch.setenv("EAGLEX_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["import", "--gguf", str(gguf), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert main(["import", "--gguf", str(gguf), "--out", str(tmp_path / "hf")]) == 2          # exists, no --force
+    assert "already exists" in capsys.readouterr().err
+    outs = []
+    for target in (tmp_path / "hf", gguf):
+        out = tmp_path / f"o{len(outs)}.jsonl"
+        assert main(["generate", "--target", str(target), "--prompt", "hello", "--max-new-tokens", "6",
+                     "--out", str(out)]) == 0
+        outs.append(_json.loads(out.read_text())["output_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) >= 1
