@@ -250,6 +250,9 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"eaglex: could not send the {code} error ({message}): {e}")
 
 
+QUEUE_CHECK_S = 0.2          # how often requests waiting for a slot are asked whether they were cancelled
+
+
 class _Job:
     """One request in the batching model: its Triton request and sender, parsed form, text stream and hooks."""
 
@@ -273,6 +276,7 @@ class _Batching:
         self.jobs: dict = {}            # batch Request -> _Job
         self.closed = False
         self._gauges = (None, None)
+        self._next_check = 0.0
         model.metrics.slot_bytes.set(self.slot_bytes)
         self.thread = threading.Thread(target=self._loop, name="eaglex-engine", daemon=True)
         self.thread.start()
@@ -322,18 +326,17 @@ class _Batching:
                 if self.closed:
                     break
                 new, self.inbox = self.inbox, []
-            for job in new:
-                self._submit(job)
-            self._drop_cancelled()
             try:
+                for job in new:
+                    self._submit(job)
+                self._drop_cancelled()
                 finished = self.gen.step()
+                for handle in finished:
+                    self._finish(self.jobs.pop(handle))
+                self._gauge()
             except Exception as e:  # noqa: BLE001 - a failed step: fail what it held, start over with fresh slots
                 pb_utils.Logger.log_error(f"eaglex: batch step failed: {traceback.format_exc()}")
                 self._reset(f"eaglex failed on this batch: {type(e).__name__}: {e}")
-                continue
-            for handle in finished:
-                self._finish(self.jobs.pop(handle))
-            self._gauge()
         self._reset("the model is unloading", "UNAVAILABLE")
         for job in self.inbox:
             self._refuse(job.sender, "rejected", "UNAVAILABLE", "the model is unloading")
@@ -351,13 +354,18 @@ class _Batching:
                                          job.stop)
         except ValueError as e:              # the runtime's own input checks
             return self._refuse(job.sender, "invalid", "INVALID_ARG", str(e))
+        except Exception as e:  # noqa: BLE001 - this request alone
+            pb_utils.Logger.log_error(f"eaglex: request failed: {traceback.format_exc()}")
+            return self._refuse(job.sender, "failed", "INTERNAL", f"eaglex failed on this request: {e}")
         self.jobs[job.handle] = job
 
     def _drop_cancelled(self) -> None:
-        """Requests cancelled while they wait for a slot leave the queue (running ones stop at their next cycle)."""
+        """Requests cancelled while they wait for a slot leave the queue (running ones stop at their next cycle).
+        Asked at most every QUEUE_CHECK_S: each question is a round trip to the server."""
         queue = self.gen.queue
-        if not queue:
+        if not queue or time.monotonic() < self._next_check:
             return
+        self._next_check = time.monotonic() + QUEUE_CHECK_S
         keep = [h for h in queue if not self.jobs[h].request.is_cancelled()]
         if len(keep) != len(queue):
             for h in set(queue) - set(keep):
@@ -388,7 +396,10 @@ class _Batching:
         """Fail every submitted request (decoding or waiting) and start a fresh batcher."""
         jobs, self.jobs = list(self.jobs.values()), {}
         for job in jobs:
-            self._refuse(job.sender, "failed" if code == "INTERNAL" else "rejected", code, message)
-            self.model._count(job.handle.result)
+            try:
+                self._refuse(job.sender, "failed" if code == "INTERNAL" else "rejected", code, message)
+                self.model._count(job.handle.result)
+            except Exception:  # noqa: BLE001 - tell the others even if one cannot be told
+                pb_utils.Logger.log_warn(f"eaglex: could not fail a request: {traceback.format_exc()}")
         if code == "INTERNAL":
             self.gen = self.model.engine.batcher(self.max_batch, self.schedule)
