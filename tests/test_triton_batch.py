@@ -6,7 +6,9 @@ decodes every request in flight, against the real tritonserver on loopback throu
   mid-stream mixed in: every greedy output is the alone-vanilla one, streamed chunks join to it, equal seeds give
   equal outputs, the bad ones get their 400 and the others never notice;
 - more requests than slots + queue: the excess is refused with 503 and every accepted one is still exact; the
-  gauges show the batch full and requests waiting.
+  gauges show the batch full and requests waiting;
+- a gRPC stream cancelled while its request waits behind a full batch: counted cancelled, the others exact;
+- `eaglex triton` batches by default with one instance, and refuses batching over several instances.
 """
 from __future__ import annotations
 
@@ -164,3 +166,42 @@ def test_cli_batches_by_default_with_one_instance(checkpoint, tmp_path):  # noqa
     assert 'key: "max_batch" value: { string_value: "0" }' in cfg() and "count: 2 kind" in cfg()
     assert main(["triton", "--engine", str(checkpoint), "--out", str(tmp_path / "r"), "--instances", "2",
                  "--max-batch", "8", "--force"]) == 2
+
+
+def test_a_request_cancelled_while_waiting_for_a_slot_leaves_the_others_exact(server, reference):  # noqa: F811
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    run_vanilla, _ = reference
+    key = 'eaglex_requests_total{model="eaglex",outcome="cancelled"}'
+    before = metrics(server).get(key, 0)
+    body = {"text_input": "hello world", "max_tokens": 400}
+    with ThreadPoolExecutor(MAX_BATCH) as pool:
+        busy = [pool.submit(post, server, "generate", body) for _ in range(MAX_BATCH)]
+        deadline = time.monotonic() + 30
+        while metrics(server).get('eaglex_active_requests{model="eaglex"}', 0) < MAX_BATCH:
+            assert time.monotonic() < deadline, "the batch never filled"
+            time.sleep(0.02)
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([["draft"]], dtype=object), "BYTES"),
+                                   ("max_tokens", np.array([[400]], np.int32), "INT32"),
+                                   ("stream", np.array([[True]]), "BOOL")):
+            inputs.append(grpcclient.InferInput(name, [1, 1], dtype))
+            inputs[-1].set_data_from_numpy(value)
+        client.async_stream_infer("eaglex", inputs)
+        time.sleep(0.3)
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        results = [f.result() for f in busy]
+    want = run_vanilla(body["text_input"], body["max_tokens"])
+    assert all(status == 200 and ids_of(out["output_ids"]) == want for status, out in results)
+    deadline = time.monotonic() + 30
+    while metrics(server).get(key, 0) < before + 1:
+        assert time.monotonic() < deadline, "the cancelled request was not stopped"
+        time.sleep(0.1)
+    assert server.ready()
