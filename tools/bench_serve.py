@@ -170,7 +170,7 @@ def main(argv=None) -> int:
                     help="batch schedule to serve (e.g. 1:chain:4,4:chain:2,8:vanilla); auto: the engine's stored "
                          "one, else one measured here as `eaglex engine` does (on a copy of the engine)")
     ap.add_argument("--out", type=Path, default=Path("build/bench_serve.json"))
-    ap.add_argument("--plot", type=Path, default=Path("build/bench_serve.png"))
+    ap.add_argument("--plot", default="build/bench_serve.png", help="PNG to write ('' for none)")
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}")
     if args.plot:
         try:
-            plot(rows, args.plot)
+            plot(rows, Path(args.plot))
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
