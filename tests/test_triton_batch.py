@@ -169,6 +169,8 @@ def test_cli_batches_by_default_with_one_instance(checkpoint, tmp_path):  # noqa
                  "--max-batch", "8", "--force"]) == 2
 
 
+@pytest.mark.slow   # timing-dependent: it needs all slots busy at once, which failed once on a fresh clone in CI-like
+# conditions ("the batch never filled" within 30 s); kept for `make test-all` until the fill is made deterministic
 def test_a_request_cancelled_while_waiting_for_a_slot_leaves_the_others_exact(server, reference):  # noqa: F811
     import queue
 
