@@ -60,10 +60,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, data) -> None:
+def write_text(path: Path, text: str) -> None:
     """Atomic: a crash leaves the old file or the new one, never half of one (the temp name is per process, so
     two writers never share it)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data) -> None:
+    write_text(path, json.dumps(data, indent=2) + "\n")

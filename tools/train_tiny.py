@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from eaglex.fsio import write_text
 from eaglex.training import corpus, data, loop, tokenizer
 from eaglex.training.draft_lm import DraftLMConfig, save_draft_lm, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
@@ -41,6 +40,7 @@ from eaglex.training.loop import OptimConfig, digest
 from eaglex.training.report import DEFAULT_SHAPE, SHAPES, TauRow, format_table, tau_table, vanilla_outputs
 from eaglex.training.selfdistill import SelfDistillConfig, SelfDistillData, generate
 from eaglex.training.target import TargetConfig, eval_loss, save_target, train_target
+from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 
 @dataclass(frozen=True)
@@ -81,26 +81,8 @@ class Paths:
         return self.out / "target"
 
 
-def _cached(key_file: Path, key: dict) -> bool:
-    """True when a stage's cached output was made from exactly `key`."""
-    return key_file.is_file() and json.loads(key_file.read_text()) == json.loads(json.dumps(key))
 
 
-def _write_key(key_file: Path, key: dict) -> None:
-    """Written last and atomically: a stage interrupted before it reruns, never reads half an output."""
-    _atomic_write_text(key_file, json.dumps(key))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # per process: both lanes may write the same file
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _fresh(path: Path) -> Path:
-    if path.exists():
-        shutil.rmtree(path)
-    return path
 
 
 def _tokenizer(p: Paths):
@@ -115,12 +97,12 @@ def stage_tokenizer(p: Paths, cfg: TinyConfig) -> dict:
     key = {"train": corpus.fingerprint(train_files), "heldout": corpus.fingerprint(heldout_files),
            "config": asdict(cfg.tokenizer)}
     tok_dir = p.work / "tokenizer"
-    if not _cached(p.work / "tokenizer.json", key):
+    if not cached(p.work / "tokenizer.json", key):
         tokenizer.save_tokenizer(tokenizer.train_tokenizer([f.text for f in train_files], cfg.tokenizer), tok_dir)
         raw, eos = _tokenizer(p)
         torch.save({"train": data.encode_files(train_files, raw, eos),
                     "heldout": data.encode_files(heldout_files, raw, eos)}, p.work / "streams.pt")
-        _write_key(p.work / "tokenizer.json", key)
+        write_key(p.work / "tokenizer.json", key)
     streams = torch.load(p.work / "streams.pt", weights_only=True)
     return {"train_files": len(train_files), "heldout_files": len(heldout_files), **key,
             "vocab_size": _tokenizer(p)[0].get_vocab_size(),
@@ -135,7 +117,7 @@ def stage_target(p: Paths, cfg: TinyConfig) -> dict:
     torch.set_num_threads(1)   # the lanes that follow run one thread each
     heldout = eval_loss(model, streams["heldout"], cfg.target.seq_len)
     print(f"[tiny] target: held-out loss {heldout:.3f} nats/token")
-    save_target(model, _fresh(p.target), eos)
+    save_target(model, fresh(p.target), eos)
     tokenizer.save_tokenizer(raw, p.target)
     return {"final_loss": _tail(losses), "heldout_loss": round(heldout, 4),
             "params": sum(t.numel() for t in model.parameters())}
@@ -151,13 +133,13 @@ def stage_selfdistill(p: Paths, cfg: TinyConfig, shard: int, shards: int = 2) ->
     key = {"target": _target_digest(p.target), "prompts": [cfg.train_prompts, cfg.prompt_tokens],
            "config": asdict(cfg.selfdistill), "seed": cfg.seed, "shard": [shard, shards]}
     key_file, data_file = p.work / f"selfdistill{shard}.json", p.work / f"selfdistill{shard}.pt"
-    if not _cached(key_file, key):
+    if not cached(key_file, key):
         torch.set_num_threads(1)
         prompts = data.line_start_prompts(corpus.load(cfg.corpus, "train"), raw, cfg.train_prompts,
                                           cfg.prompt_tokens, torch.Generator().manual_seed(cfg.seed))
         sd_cfg = replace(cfg.selfdistill, seed=cfg.selfdistill.seed + shard)
         generate(target.hf, prompts[shard::shards], sd_cfg).save(data_file)
-        _write_key(key_file, key)
+        write_key(key_file, key)
     return {"sequences": list(SelfDistillData.load(data_file).tokens.shape)}
 
 
@@ -187,7 +169,7 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     key = {"target": _target_digest(p.target), "data": digest(sd.tokens, sd.prompt_len), "rows": [a, b],
            "vocab": [e3.draft_vocab_size, e3.loss_on_prompt], "batch": e3.batch}
     key_file = p.work / f"teacher3_{half}.json"
-    if _cached(key_file, key):
+    if cached(key_file, key):
         return
     target = load_target(p.target)
     target, _, t2d = prepare_teacher(target, sd, e3)
@@ -195,7 +177,7 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     tmp = p.work / f"teacher3_{half}.tmp"
     torch.save(teacher_outputs(target, sd.tokens[a:b], keep, e3.batch), tmp)
     tmp.replace(p.work / f"teacher3_{half}.pt")
-    _write_key(key_file, key)
+    write_key(key_file, key)
 
 
 def stage_eagle3(p: Paths, cfg: TinyConfig) -> dict:
@@ -208,7 +190,7 @@ def stage_eagle3(p: Paths, cfg: TinyConfig) -> dict:
     del halves
     head, config, t2d, losses = train_eagle3(target, sd, cfg.eagle3, target.spec.eos_ids[0], p.work / "eagle3.pt", 1,
                                              cache)
-    save_eagle3(head, config, t2d, _fresh(p.out / "eagle3"))
+    save_eagle3(head, config, t2d, fresh(p.out / "eagle3"))
     return {"final_loss": _tail(losses)}
 
 
@@ -218,7 +200,7 @@ def stage_eagle1(p: Paths, cfg: TinyConfig) -> dict:
     target = load_target(p.target)
     sd = SelfDistillData.load(p.work / "selfdistill.pt")
     head, config, losses = train_eagle1(target, sd, cfg.eagle1, target.spec.eos_ids[0], p.work / "eagle1.pt", 1)
-    save_eagle1(head, config, target, _fresh(p.out / "eagle1"))
+    save_eagle1(head, config, target, fresh(p.out / "eagle1"))
     return {"final_loss": _tail(losses)}
 
 
@@ -231,7 +213,7 @@ def stage_draft_lm(p: Paths, cfg: TinyConfig) -> dict:
           else SelfDistillData(torch.zeros(1, T, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
     model, losses = train_draft_lm(cfg.draft_lm, sd, streams["train"], raw.get_vocab_size(), eos,
                                    cfg.target.max_position_embeddings, p.work / "draft_lm.pt", 1)
-    save_draft_lm(model, _fresh(p.out / "draft_lm"), eos)
+    save_draft_lm(model, fresh(p.out / "draft_lm"), eos)
     tokenizer.save_tokenizer(raw, p.out / "draft_lm")
     return {"final_loss": _tail(losses), "heldout_loss": round(eval_loss(model, streams["heldout"], 128), 4)}
 
@@ -243,12 +225,12 @@ def stage_tau(p: Paths, cfg: TinyConfig, head: str, shapes: tuple[str, ...] = tu
     torch.set_num_threads(1)
     key = {"target": _target_digest(p.target), "prompts": prompts, "new_tokens": cfg.eval_new_tokens}
     key_file, vfile = p.work / "vanilla_key.json", p.work / "vanilla.json"
-    if _cached(key_file, key):
+    if cached(key_file, key):
         vanilla = json.loads(vfile.read_text())
     else:
         vanilla = vanilla_outputs(p.target, prompts, cfg.eval_new_tokens)
-        _atomic_write_text(vfile, json.dumps(vanilla))
-        _write_key(key_file, key)
+        write_text(vfile, json.dumps(vanilla))
+        write_key(key_file, key)
     rows = tau_table(p.target, {head: p.out / head}, prompts, {s: SHAPES[s] for s in shapes}, cfg.eval_new_tokens,
                      vanilla=vanilla)
     return [asdict(r) for r in rows]
@@ -275,11 +257,6 @@ def _side_lane_init() -> None:
     loop.BAR_POSITION = 1
 
 
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, round(time.perf_counter() - t0, 1)
-
 
 # ------------------------------------------------------------------------------------------------ the build
 
@@ -292,26 +269,26 @@ def build(out: Path, work: Path, cfg: TinyConfig = TinyConfig()) -> dict:
     seconds: dict[str, float] = {}
     info: dict[str, object] = {}
 
-    info["corpus"], seconds["tokenizer"] = _timed(stage_tokenizer, p, cfg)
+    info["corpus"], seconds["tokenizer"] = timed(stage_tokenizer, p, cfg)
     stage_prompts(p, cfg)
     with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_side_lane_init) as side:
-        info["target"], seconds["target"] = _timed(stage_target, p, cfg)
-        shard1 = side.submit(_timed, stage_selfdistill, p, cfg, 1)
-        _, seconds["selfdistill"] = _timed(stage_selfdistill, p, cfg, 0)
+        info["target"], seconds["target"] = timed(stage_target, p, cfg)
+        shard1 = side.submit(timed, stage_selfdistill, p, cfg, 1)
+        _, seconds["selfdistill"] = timed(stage_selfdistill, p, cfg, 0)
         shard1.result()
         info["selfdistill"] = merge_selfdistill(p)
         teacher3 = side.submit(stage_teacher3, p, cfg, 1)
-        _, seconds["teacher_eagle3"] = _timed(stage_teacher3, p, cfg, 0)
+        _, seconds["teacher_eagle3"] = timed(stage_teacher3, p, cfg, 0)
         teacher3.result()
-        draft_lm = side.submit(_timed, stage_draft_lm, p, cfg)
-        eagle1 = side.submit(_timed, stage_eagle1, p, cfg)
-        tau1 = side.submit(_timed, stage_tau, p, cfg, "eagle1")
-        info["eagle3"], seconds["eagle3"] = _timed(stage_eagle3, p, cfg)
+        draft_lm = side.submit(timed, stage_draft_lm, p, cfg)
+        eagle1 = side.submit(timed, stage_eagle1, p, cfg)
+        tau1 = side.submit(timed, stage_tau, p, cfg, "eagle1")
+        info["eagle3"], seconds["eagle3"] = timed(stage_eagle3, p, cfg)
         # EAGLE-3's τ: the shapes in two halves of about equal cost (the side lane is idle by now)
         shapes = tuple(SHAPES)
         main_half = ("chain:4", "dynamic:16/8/2", "dynamic:60/8/10")
-        tau3_side = side.submit(_timed, stage_tau, p, cfg, "eagle3", tuple(s for s in shapes if s not in main_half))
-        tau3, seconds["tau_eagle3"] = _timed(stage_tau, p, cfg, "eagle3", main_half)
+        tau3_side = side.submit(timed, stage_tau, p, cfg, "eagle3", tuple(s for s in shapes if s not in main_half))
+        tau3, seconds["tau_eagle3"] = timed(stage_tau, p, cfg, "eagle3", main_half)
         tau3 = sorted(tau3 + tau3_side.result()[0], key=lambda r: shapes.index(r["shape"]))
         info["draft_lm"], seconds["draft_lm (side lane)"] = draft_lm.result()
         info["eagle1"], seconds["eagle1 (side lane)"] = eagle1.result()
