@@ -255,10 +255,12 @@ def sampling_from_args(args):
 
 def prompts_from_args(args, engine) -> tuple[list[list[int]], list[int | None]]:
     """(token ids, per-line seeds) of --prompt / --prompts."""
-    from eaglex.prompts import encode, read_prompts, read_seeds
+    from eaglex.prompts import encode, read_records, record_seed
     if getattr(args, "prompt", None) is not None:
         return [encode({"prompt": args.prompt}, engine.tokenizer, args.chat, "--prompt")], [None]
-    return read_prompts(args.prompts, engine.tokenizer, args.chat), read_seeds(args.prompts)
+    records = read_records(args.prompts)
+    return ([encode(r, engine.tokenizer, args.chat, where) for where, r in records],
+            [record_seed(r, where) for where, r in records])
 
 
 def resolve_auto(args, engine, prompts) -> None:

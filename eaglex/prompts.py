@@ -56,11 +56,12 @@ def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
     raise ModelError(f"{where}: each line needs a \"prompt\" or an \"input_ids\" field")
 
 
-def read_prompts(path: str | Path, tokenizer, chat: bool = False) -> list[list[int]]:
+def read_records(path: str | Path) -> list[tuple[str, dict]]:
+    """(where, record) for every non-blank line of a JSONL prompt file; `where` is "FILE:LINE" for messages."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"prompt file {path} does not exist")
-    prompts = []
+    records = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -70,20 +71,19 @@ def read_prompts(path: str | Path, tokenizer, chat: bool = False) -> list[list[i
             raise ModelError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict):
             raise ModelError(f"{path}:{n}: each line must be a JSON object")
-        prompts.append(encode(record, tokenizer, chat, f"{path}:{n}"))
-    if not prompts:
+        records.append((f"{path}:{n}", record))
+    if not records:
         raise ModelError(f"prompt file {path} holds no prompts")
-    return prompts
+    return records
 
 
-def read_seeds(path: str | Path) -> list[int | None]:
-    """The "seed" field of every prompt line of `path` (None where a line has none), in read_prompts' order."""
-    seeds = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        seed = json.loads(line).get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ModelError(f"{path}:{n}: seed must be an integer >= 0")
-        seeds.append(seed)
-    return seeds
+def read_prompts(path: str | Path, tokenizer, chat: bool = False) -> list[list[int]]:
+    return [encode(record, tokenizer, chat, where) for where, record in read_records(path)]
+
+
+def record_seed(record: dict, where: str) -> int | None:
+    """A prompt line's own "seed" field (None when it has none)."""
+    seed = record.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ModelError(f"{where}: seed must be an integer >= 0")
+    return seed
