@@ -104,21 +104,17 @@ class SlotCache:
         return out.unsqueeze(1)
 
 
-class TorchBatchBackend:
-    """Slots over a TorchBackend's models (the same modules: no second copy of the weights)."""
+class SlotBackend:
+    """What both batched backends share: a target and an optional draft SlotCache, one slot per request."""
 
-    def __init__(self, backend, slots: int, extra_rows: int = 0):
-        """`backend`: a runtime.torch_backend.TorchBackend; `extra_rows`: room past the context for one tree."""
-        self.target, self.draft = backend.target, backend.draft
+    def _allocate(self, backend, slots: int, extra_rows: int, draft_kv: tuple[int, int] | None) -> None:
+        """`draft_kv`: the draft's (kv heads, head dim), None without a head; `extra_rows`: room for one tree."""
         self.spec, self.draft_kind, self.dtype = backend.spec, backend.draft_kind, backend.dtype
         self.slots = slots
         s, dt = self.spec, DTYPES[backend.dtype]
         cap = s.max_context + extra_rows
         self.tcache = SlotCache(s.num_layers, slots, s.num_kv_heads, s.head_dim, cap, dt)
-        self.dcache = None
-        if self.draft is not None:
-            d = self.draft.spec
-            self.dcache = SlotCache(1, slots, d.num_kv_heads, d.head_dim, cap, dt)
+        self.dcache = SlotCache(1, slots, *draft_kv, cap, dt) if draft_kv is not None else None
 
     @property
     def slot_bytes(self) -> int:
@@ -127,6 +123,16 @@ class TorchBatchBackend:
 
     def caches(self):
         return [c for c in (self.tcache, self.dcache) if c is not None]
+
+
+class TorchBatchBackend(SlotBackend):
+    """Slots over a TorchBackend's models (the same modules: no second copy of the weights)."""
+
+    def __init__(self, backend, slots: int, extra_rows: int = 0):
+        """`backend`: a runtime.torch_backend.TorchBackend; `extra_rows`: room past the context for one tree."""
+        self.target, self.draft = backend.target, backend.draft
+        d = self.draft.spec if self.draft is not None else None
+        self._allocate(backend, slots, extra_rows, (d.num_kv_heads, d.head_dim) if d is not None else None)
 
     @torch.inference_mode()
     def target_forward(self, rows: slice, input_ids, position_ids, mask=None, last_only=False):

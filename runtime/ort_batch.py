@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from eaglex.models.target import DTYPES
 
-from .batch_backend import SlotCache
+from .batch_backend import SlotBackend, SlotCache
 
 
-class OrtBatchBackend:
+class OrtBatchBackend(SlotBackend):
     def __init__(self, backend, slots: int, extra_rows: int = 0):
         """`backend`: an opened runtime.ort_backend.OrtBackend (its sessions are shared, not copied)."""
-        self.ort, self.spec, self.draft_kind, self.dtype = backend, backend.spec, backend.draft_kind, backend.dtype
-        self.slots = slots
-        s, dt = self.spec, DTYPES[backend.dtype]
-        cap = s.max_context + extra_rows
-        self.tcache = SlotCache(s.num_layers, slots, s.num_kv_heads, s.head_dim, cap, dt)
-        self.dcache = None
-        if backend.draft_sess is not None:
-            d = backend.manifest["draft"]["spec"]
-            self.dcache = SlotCache(1, slots, d["num_kv_heads"], d["head_dim"], cap, dt)
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.tcache.slot_bytes + (self.dcache.slot_bytes if self.dcache is not None else 0)
-
-    def caches(self):
-        return [c for c in (self.tcache, self.dcache) if c is not None]
+        self.ort = backend
+        d = backend.manifest["draft"]["spec"] if backend.draft_sess is not None else None
+        self._allocate(backend, slots, extra_rows, (d["num_kv_heads"], d["head_dim"]) if d is not None else None)
 
     def _feeds(self, cache: SlotCache, rows: slice, input_ids, position_ids, mask, last_only) -> tuple[dict, int]:
         B, N = input_ids.shape
