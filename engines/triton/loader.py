@@ -6,6 +6,7 @@ from pathlib import Path
 
 from eaglex.models.errors import ModelError
 from eaglex.runtime.engine import Engine, layout, open_engine
+from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
 
 __all__ = ["Engine", "METHODS", "layout", "load"]
@@ -28,10 +29,9 @@ def load(path: str | Path, method: str = "default", tree: str | dict | None = No
         parsed = TreeConfig.parse(tree) if tree else None
     except ValueError as e:
         raise ModelError(f"model parameter tree: {e}") from None
-    if layout(path) == "bundle":
+    kind = layout(path)
+    if kind == "bundle":
         raise ModelError(f"{path} is a TensorRT-LLM bundle: serve it with TensorRT-LLM's own Triton backend")
-    if threads > 0 and layout(path) != "engine":
-        import torch
-        torch.set_num_threads(threads)       # the Triton model is the entry point of its process
+    set_threads(threads or None, onnxruntime=kind == "engine")     # the Triton model is its process's entry point
     return open_engine(path, method=None if method == "default" else "vanilla", tree=parsed, dtype=dtype,
                        threads=threads or None)
