@@ -40,9 +40,7 @@ def main() -> None:
                 same = all(r.output_ids == v for r, v in zip(rs, vanilla))
                 over = 1e3 * sum(r.overhead_seconds for r in rs) / cycles
                 fwd = 1e3 * sum(r.forward_seconds for r in rs) / cycles
-                label = f"{tree.kind} {tree.total_tokens}/{tree.depth}/{tree.top_k}" if tree.kind == "dynamic" \
-                    else (f"chain d{tree.depth}" if tree.kind == "chain" else "static mc_sim_7b_63")
-                print(f"| {name} | {case} | {label} | {sum(lengths) / len(lengths):.2f} | {hist} | "
+                print(f"| {name} | {case} | {tree} | {sum(lengths) / len(lengths):.2f} | {hist} | "
                       f"{'yes' if same else 'NO'} | {over:.2f} | {fwd:.2f} |")
 
 
