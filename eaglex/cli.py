@@ -92,13 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--samples", type=int, default=300, help="sampling check: generations per prompt")
 
     eng = sub.add_parser("engine", help="what `make engine` runs: build a preset's engine, tune, check, demo")
-    eng.add_argument("--model", default="tiny", help="preset name (tiny, llama3-8b, llama3-70b, ...)")
+    eng.add_argument("--model", default="smollm2-135m",
+                     help="preset name (default smollm2-135m; tiny, llama3-8b, llama3-70b, vicuna-13b, ...)")
     eng.add_argument("--model-dir", type=Path, help="local folder of the target (else HF cache, else download)")
     eng.add_argument("--draft-dir", type=Path, help="local folder of the EAGLE head (else HF cache, else download)")
     eng.add_argument("--backend", choices=("onnxruntime", "torch", "tensorrt-llm"), help="default: the preset's")
     eng.add_argument("--out", type=Path, help="engine folder (default: engines/MODEL)")
     eng.add_argument("--force", action="store_true", help="rebuild and retune even if the engine exists")
-    eng.add_argument("--max-new-tokens", type=int, default=48)
+    eng.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt in the check (default 48)")
+    eng.add_argument("--demo-tokens", type=int, default=128, help="tokens of the demo answer (default 128)")
     eng.add_argument("--threads", type=int, default=0, help="cores to use (0: all physical cores)")
     eng.add_argument("--device", default="auto", help=DEVICE_HELP)
     eng.add_argument("--providers", help=PROVIDERS_HELP)
@@ -201,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     trn = sub.add_parser("train-draft", help="train an EAGLE head for a target on its own continuations of prompts")
     trn.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
-    trn.add_argument("--data", type=Path, required=True,
-                     help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line; the last 8 are held out for τ')
+    trn.add_argument("--data", required=True,
+                     help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line, the last 8 held out for τ; or '
+                          'builtin-chat: the built-in chat instructions in the target\'s chat template (chat models)')
     trn.add_argument("--out", type=Path, required=True, help="head folder to write (checkpoints/ inside: resumable)")
     trn.add_argument("--method", choices=("eagle3", "eagle1"), default="eagle3",
                      help="eagle3: training-time test, reduced vocabulary; eagle1: EAGLE-1/2 feature regression")
@@ -324,7 +327,8 @@ def cmd_engine(args) -> int:
 
     set_threads(args.threads or None, onnxruntime=(args.backend or "onnxruntime") == "onnxruntime")
     return make_engine(args.model, args.backend, args.model_dir, args.draft_dir, args.out, args.force,
-                       args.max_new_tokens, device=args.device, providers=args.providers)
+                       args.max_new_tokens, device=args.device, providers=args.providers,
+                       demo_tokens=args.demo_tokens)
 
 
 def cmd_bench(args) -> int:

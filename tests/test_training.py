@@ -279,3 +279,22 @@ def test_committed_draft_lm_and_tokenizer_load():
     assert tok.decode(tok("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
     lm = AutoModelForCausalLM.from_pretrained(TINY / "draft_lm")
     assert lm.config.vocab_size == len(tok) and lm.config.num_hidden_layers <= 2
+
+
+def test_train_draft_builtin_chat_prompts_hold_out_the_last_ones():
+    """`--data builtin-chat`: every training instruction in the chat template, then held-out ones (never trained
+    on) as the τ prompts; a target without a chat template is refused in one line."""
+    from test_calibration_data import FakeTokenizer
+
+    from eaglex import chat_prompts
+    from eaglex.models.errors import ModelError
+    from eaglex.training.train_draft import builtin_chat
+
+    tok = FakeTokenizer()
+    prompts = builtin_chat(tok, 8)
+    train, held = chat_prompts.train_prompts(), chat_prompts.heldout_prompts()
+    assert len(prompts) == len(train) + 8
+    assert tok.seen[:len(train)] == train and tok.seen[-8:] == held[:8]
+    assert all(p[:2] == [1, 4] and p[-2:] == [1, 5] for p in prompts)      # a user turn, then the generation prompt
+    with pytest.raises(ModelError, match="chat template"):
+        builtin_chat(FakeTokenizer(chat=False), 8)

@@ -1,7 +1,9 @@
 """`eaglex train-draft`: train an EAGLE head for any supported target from a JSONL file of prompts.
 
 1. The last `eval_prompts` prompts are held out for the τ report; the others are cut to their last `prompt_tokens`
-   tokens and continued by the target itself (selfdistill.py).
+   tokens and continued by the target itself (selfdistill.py). `builtin-chat` instead of a file: the built-in chat
+   instructions (eaglex.chat_prompts) through the target's chat template, held out from the instructions training
+   never sees.
 2. The head trains on those sequences (EAGLE-3 with training-time test, or EAGLE-1/2).
 3. It is saved in the official layout, loaded back through models.eagle.load_draft, and its τ is measured on the
    held-out prompts.
@@ -18,6 +20,23 @@ from .eagle3 import Eagle3Config, save_eagle3, train_eagle3
 from .loop import default_threads
 from .report import SHAPES, format_table, tau_table
 from .selfdistill import SelfDistillConfig, SelfDistillData, generate
+
+
+BUILTIN_CHAT = "builtin-chat"
+
+
+def builtin_chat(tokenizer, eval_prompts: int) -> list[list[int]]:
+    """The built-in training instructions, then `eval_prompts` held-out ones, in the tokenizer's chat template."""
+    from eaglex import chat_prompts
+    from eaglex.calibration.data import has_chat_template
+    from eaglex.models.errors import ModelError
+    from eaglex.prompts import encode
+
+    if tokenizer is None or not has_chat_template(tokenizer):
+        raise ModelError(f"--data {BUILTIN_CHAT} needs a tokenizer with a chat template in the target folder; "
+                         "give a JSONL prompt file instead")
+    texts = chat_prompts.train_prompts() + chat_prompts.heldout_prompts()[:eval_prompts]
+    return [encode({"prompt": t}, tokenizer, True, f"{BUILTIN_CHAT} prompt {i}") for i, t in enumerate(texts)]
 
 
 @dataclass(frozen=True)
@@ -48,7 +67,9 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
     ckpt = out / "checkpoints"
     ckpt.mkdir(parents=True, exist_ok=True)
     target = load_target(target_dir)
-    prompts = read_prompts(data_file, load_tokenizer(target_dir))
+    tokenizer = load_tokenizer(target_dir)
+    prompts = builtin_chat(tokenizer, cfg.eval_prompts) if str(data_file) == BUILTIN_CHAT else \
+        read_prompts(data_file, tokenizer)
     if len(prompts) <= cfg.eval_prompts:
         raise ModelError(f"{data_file} holds {len(prompts)} prompts; need more than the {cfg.eval_prompts} "
                          "held out for the τ report")
