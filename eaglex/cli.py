@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--threads", type=int, default=0,
                      help="intra-op threads per instance (0: the backend's default)")
     tri.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
+    tri.add_argument("--chat", action="store_true",
+                     help="text_input is the user's message, wrapped with the tokenizer's chat template (default: "
+                          "raw text, as TensorRT-LLM clients send; a request's chat_template parameter overrides)")
     tri.add_argument("--copy", action="store_true", help="copy the engine into the repository (portable)")
     tri.add_argument("--force", action="store_true", help="replace the model folder if it exists")
 
@@ -409,6 +412,8 @@ def cmd_calibrate(args) -> int:
 
 def cmd_triton(args) -> int:
     if args.backend == "tensorrt-llm":
+        if args.chat:       # TensorRT-LLM's llmapi model takes text_input as it is
+            raise ModelError("--chat applies to --backend eaglex only")
         from eaglex.engines.triton_trtllm import write_llmapi_repository
         model = write_llmapi_repository(args.engine, args.out, args.name or "tensorrt_llm", args.template,
                                         args.max_batch_size, args.decoupled, args.force)
@@ -419,8 +424,9 @@ def cmd_triton(args) -> int:
     max_batch = args.max_batch if args.max_batch is not None else 16 if args.instances == 1 else 0
     model = write_repository(args.engine, args.out, args.name or "eaglex", args.instances, args.max_queue_size,
                              args.threads, "vanilla" if args.vanilla else "default", args.copy, args.force,
-                             max_batch=max_batch)
+                             max_batch=max_batch, chat_template=args.chat)
     how = f"batching up to {max_batch} requests" if max_batch else f"{args.instances} instance(s)"
+    how += ", chat template on text_input" if args.chat else ""
     print(f"wrote {model} (engine {args.engine.resolve()}, {how}); serve it with\n"
           f"  make serve ENGINE={args.engine}   (docs/triton.md)")
     return 0

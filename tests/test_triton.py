@@ -16,10 +16,12 @@ import queue
 import shutil
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ import pytest
 
 from eaglex.cli import main
 from eaglex.engines.triton.repository import write_repository
-from eaglex.engines.triton.request import Limits, RequestError, parse
+from eaglex.engines.triton.request import Limits, RequestError, parse, tokenize
 from eaglex.engines.triton.textstream import TextStream
 from eaglex.models.errors import ModelError
 
@@ -44,7 +46,12 @@ except triton_server.TritonUnavailable as e:
 needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=f"tritonserver cannot be used: {NO_TRITON}")
 
 
-def write_char_tokenizer(folder, eos_id: int, vocab_size: int = 48) -> None:
+# a chat template written in the characters the char tokenizer knows: "hi" -> "user: hi assistant:"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def char_tokenizer(eos_id: int, vocab_size: int = 48, chat_template: str | None = None):
     """A character-level tokenizer over the fixtures' vocabulary: one id per character, EOS at the model's id."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -55,7 +62,14 @@ def write_char_tokenizer(folder, eos_id: int, vocab_size: int = 48) -> None:
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()              # characters join without spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(folder))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def write_char_tokenizer(folder, eos_id: int, vocab_size: int = 48, chat_template: str | None = None) -> None:
+    char_tokenizer(eos_id, vocab_size, chat_template).save_pretrained(str(folder))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,12 +78,17 @@ def write_char_tokenizer(folder, eos_id: int, vocab_size: int = 48) -> None:
 LIMITS = Limits(vocab_size=48, max_context=64, max_input_bytes=100, default_max_tokens=16, has_tokenizer=True)
 
 
-def _parse(params=None, **arrays):
+def _arrays(**arrays) -> dict:
+    """Tensors as Triton delivers them: [1, 1] scalars and strings, [1, n] lists."""
     def arr(v):
         if isinstance(v, str):
             return np.array([[v.encode()]], dtype=object)
         return np.array([v]) if isinstance(v, list) else np.array([[v]])
-    return parse({k: arr(v) for k, v in arrays.items()}, params, LIMITS, lambda s: [CHARS.index(c) for c in s])
+    return {k: arr(v) for k, v in arrays.items()}
+
+
+def _parse(params=None, **arrays):
+    return parse(_arrays(**arrays), params, LIMITS, lambda s, chat: [CHARS.index(c) for c in s])
 
 
 def test_parse_defaults_and_trtllm_conventions():
@@ -107,6 +126,44 @@ def test_parse_refuses(arrays, params, message, code):
     with pytest.raises(RequestError) as e:
         _parse(params, **arrays)
     assert message in str(e.value) and e.value.code == code
+
+
+def test_chat_template_from_the_model_parameter_or_the_request():
+    """Off by default (text_input is raw text, as for TensorRT-LLM); the model parameter turns it on, a request's
+    chat_template parameter overrides the model's either way; input_ids are never wrapped."""
+    tok = char_tokenizer(47, chat_template=CHAT_TEMPLATE)
+    raw, chat = tok("hello")["input_ids"], tok("user: hello assistant:")["input_ids"]
+    assert tokenize(tok, "hello", True) == chat and tokenize(tok, "hello", False) == raw
+    off = Limits.from_parameters({"max_input_bytes": "100"}, 48, 64, tok)
+    on = Limits.from_parameters({"chat_template": "true"}, 48, 64, tok)
+    assert not off.chat_template and off.has_chat_template and off.max_input_bytes == 100 and on.chat_template
+    for limits, params, want in ((off, None, raw), (off, '{"chat_template": true}', chat), (on, None, chat),
+                                 (on, '{"chat_template": false}', raw), (on, {"chat_template": True}, chat)):
+        assert parse(_arrays(text_input="hello"), params, limits, partial(tokenize, tok)).input_ids == want, params
+    assert parse(_arrays(input_ids=[4, 5]), None, on, partial(tokenize, tok)).input_ids == [4, 5]
+
+
+@pytest.mark.parametrize("params,arrays,template,message", [
+    ('{"chat_template": "true"}', {"text_input": "hi"}, True, "chat_template must be true or false (a boolean)"),
+    ('{"chat_template": 1}', {"text_input": "hi"}, True, "chat_template must be true or false"),
+    ('{"chat_template": null}', {"text_input": "hi"}, True, "chat_template must be true or false"),
+    ('{"chat_template": true}', {"input_ids": [1, 2]}, True, "chat_template applies to text_input"),
+    ('{"chat_template": true}', {"text_input": "hi"}, False, "tokenizer has no chat template"),
+])
+def test_chat_template_request_errors_are_400(params, arrays, template, message):
+    tok = char_tokenizer(47, chat_template=CHAT_TEMPLATE if template else None)
+    limits = Limits.from_parameters({}, 48, 64, tok)
+    with pytest.raises(RequestError) as e:
+        parse(_arrays(**arrays), params, limits, partial(tokenize, tok))
+    assert message in str(e.value) and e.value.code == "INVALID_ARG"
+
+
+def test_chat_template_model_parameter_errors_stop_the_load():
+    with pytest.raises(ModelError, match="chat_template must be true or false, got 'yes'"):
+        Limits.from_parameters({"chat_template": "yes"}, 48, 64, char_tokenizer(47, chat_template=CHAT_TEMPLATE))
+    with pytest.raises(ModelError, match="has no chat template: set it to false"):
+        Limits.from_parameters({"chat_template": "true"}, 48, 64, char_tokenizer(47))
+    assert not Limits.from_parameters({"chat_template": "false"}, 48, 64, None).has_tokenizer
 
 
 def test_parse_refuses_bad_utf8_and_batches():
@@ -156,6 +213,31 @@ def test_write_repository(tmp_path, models):
         write_repository(tmp_path / "repo", tmp_path / "repo2", "m2")
 
 
+def test_write_repository_chat_template(tmp_path, models, capsys):
+    """Off by default; --chat sets the model parameter, and only for an engine whose tokenizer has a template."""
+    engine = tmp_path / "ck"
+    (engine / "target").mkdir(parents=True)
+    shutil.copy(models["llama"] / "config.json", engine / "target")
+    cfg = lambda: (tmp_path / "repo" / "eaglex" / "config.pbtxt").read_text()  # noqa: E731
+    write_repository(engine, tmp_path / "repo")
+    assert 'key: "chat_template" value: { string_value: "false" }' in cfg()
+    with pytest.raises(ModelError, match="has no tokenizer"):
+        write_repository(engine, tmp_path / "repo", force=True, chat_template=True)
+    write_char_tokenizer(engine / "target", 47)
+    with pytest.raises(ModelError, match="has no chat template"):
+        write_repository(engine, tmp_path / "repo", force=True, chat_template=True)
+    for f in (engine / "target").iterdir():                  # the folder's own tokenizer, as for target/ + draft/
+        if f.name != "config.json":
+            f.unlink()
+    write_char_tokenizer(engine, 47, chat_template=CHAT_TEMPLATE)
+    assert main(["triton", "--engine", str(engine), "--out", str(tmp_path / "repo"), "--chat", "--force"]) == 0
+    assert 'key: "chat_template" value: { string_value: "true" }' in cfg()
+    assert "chat template on text_input" in capsys.readouterr().out
+    assert main(["triton", "--engine", str(engine), "--out", str(tmp_path / "r2"), "--backend", "tensorrt-llm",
+                 "--chat"]) == 2
+    assert "--chat applies to --backend eaglex only" in capsys.readouterr().err
+
+
 def test_layouts(tmp_path, models):
     from eaglex.engines.triton.loader import layout
     (tmp_path / "engine").mkdir()
@@ -172,6 +254,178 @@ def test_cli_triton(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the model in this process, with a stand-in for triton_python_backend_utils (only Triton's stub has the real one):
+# what depends on the model's own logic and not on Triton is tested here, without timing
+# ---------------------------------------------------------------------------------------------------------------
+class _Metric:
+    def __init__(self):
+        self.value = 0.0
+
+    def increment(self, n):
+        self.value += n
+
+    def set(self, v):
+        self.value = v
+
+
+class _Family:
+    COUNTER, GAUGE = "counter", "gauge"
+
+    def __init__(self, name, description, kind):
+        self.name = name
+
+    def Metric(self, labels):  # noqa: N802 - pb_utils' spelling
+        metric = _Metric()
+        FAKE_PB.metrics[self.name + json.dumps(labels, sort_keys=True)] = metric
+        return metric
+
+
+class _Error:
+    INVALID_ARG, UNSUPPORTED, INTERNAL, CANCELLED, UNAVAILABLE = ("INVALID_ARG", "UNSUPPORTED", "INTERNAL",
+                                                                  "CANCELLED", "UNAVAILABLE")
+
+    def __init__(self, message, code="INTERNAL"):
+        self.text, self.code = message, code
+
+    def message(self):
+        return self.text
+
+
+class _Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, array
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class _Response:
+    def __init__(self, output_tensors, error=None):
+        self.outputs, self.error = {t.name(): t.as_numpy() for t in output_tensors}, error
+
+
+class _Logger:
+    @staticmethod
+    def log_info(msg):
+        FAKE_PB.log.append(msg)
+
+    log_warn = log_error = log_info
+
+
+FAKE_PB = type(sys)("triton_python_backend_utils")
+FAKE_PB.__dict__.update(Tensor=_Tensor, InferenceResponse=_Response, TritonError=_Error, Logger=_Logger,
+                        MetricFamily=_Family, TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, metrics={}, log=[])
+
+
+def model_module():
+    """engines/triton/model.py, importing FAKE_PB as triton_python_backend_utils."""
+    sys.modules.setdefault("triton_python_backend_utils", FAKE_PB)
+    from eaglex.engines.triton import model
+    assert model.pb_utils is FAKE_PB, "a real triton_python_backend_utils was imported first"
+    return model
+
+
+def counter(outcome: str) -> float:
+    """eaglex_requests_total of the in-process model (summed over every model loaded in this process)."""
+    return sum(m.value for k, m in FAKE_PB.metrics.items()
+               if k.startswith("eaglex_requests_total") and f'"outcome": "{outcome}"' in k)
+
+
+class FakeRequest:
+    """A Triton request: its tensors, its parameters, a cancellation flag (a function) and a sender that records
+    the responses; `final` is set by the last one."""
+
+    def __init__(self, params: dict | None = None, cancelled=lambda: False, **arrays):
+        self.arrays, self.params, self.cancelled = _arrays(**arrays), json.dumps(params or {}), cancelled
+        self.responses: list = []
+        self.final = threading.Event()
+        self.final_at: float | None = None           # time.monotonic() of the last response
+
+    def inputs(self):
+        return [_Tensor(k, v) for k, v in self.arrays.items()]
+
+    def parameters(self):
+        return self.params
+
+    def is_cancelled(self):
+        return self.cancelled()
+
+    def get_response_sender(self):
+        return self
+
+    def send(self, response, flags=0):            # the sender's method
+        self.responses.append(response)
+        if flags & FAKE_PB.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self.final_at = time.monotonic()
+            self.final.set()
+
+    def result(self, timeout: float = 120.0) -> dict:
+        """The joined output once the request ended: {"ids", "text", "error" (code or None), "reason"}."""
+        assert self.final.wait(timeout), "no final response"
+        errors = [r.error for r in self.responses if r.error is not None]
+        out = {"ids": [], "text": "", "error": errors[0].code if errors else None, "reason": None}
+        for r in self.responses:
+            out["ids"] += [int(i) for i in r.outputs.get("output_ids", np.zeros((1, 0))).reshape(-1)]
+            out["text"] += r.outputs["text_output"].reshape(-1)[0].decode() if "text_output" in r.outputs else ""
+            out["reason"] = r.outputs["finish_reason"].reshape(-1)[0].decode() if "finish_reason" in r.outputs \
+                else out["reason"]
+        return out
+
+
+def load_in_process(model_dir: Path):
+    """TritonPythonModel.initialize on a folder written by write_repository, with the arguments Triton passes (the
+    config's parameters as Triton turns config.pbtxt into JSON). The caller finalizes it."""
+    import re
+
+    import torch
+    cfg = (model_dir / "config.pbtxt").read_text()
+    params = {k: {"string_value": v} for k, v in re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', cfg)}
+    model = model_module().TritonPythonModel()
+    threads = torch.get_num_threads()
+    try:
+        model.initialize({"model_config": json.dumps({"parameters": params}), "model_name": model_dir.name,
+                          "model_repository": str(model_dir), "model_version": "1",
+                          "model_instance_name": f"{model_dir.name}_0"})
+    finally:
+        torch.set_num_threads(threads)        # the model's thread policy is its process's: not this one's
+    return model
+
+
+def test_model_applies_the_chat_template_by_default_or_per_request(checkpoint, reference, tmp_path):
+    """A repository written with chat_template true, through TritonPythonModel itself: text_input is wrapped by
+    default, a request may turn it off, a bad value is refused; greedy outputs equal vanilla on the same ids."""
+    run_vanilla, tok = reference
+    model = load_in_process(write_repository(checkpoint, tmp_path / "repo", threads=1, max_batch=0,
+                                             chat_template=True))
+    try:
+        assert model.limits.chat_template and model.limits.has_chat_template
+        assert "chat template on text_input on by default" in FAKE_PB.log[-1]
+        chat = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                       tokenize=False)
+        assert chat == "user: hello assistant:"
+        requests = [FakeRequest(text_input="hello", max_tokens=20),
+                    FakeRequest({"chat_template": False}, text_input="hello", max_tokens=20),
+                    FakeRequest({"chat_template": "yes"}, text_input="hello", max_tokens=20)]
+        before = counter("invalid")
+        model.execute(requests)
+        wrapped, raw, bad = (r.result() for r in requests)
+        assert wrapped["error"] is None and wrapped["ids"] == run_vanilla(chat, 20)
+        assert wrapped["text"] == tok.decode(wrapped["ids"], skip_special_tokens=True)
+        assert raw["error"] is None and raw["ids"] == run_vanilla("hello", 20) != wrapped["ids"]
+        assert bad["error"] == "INVALID_ARG" and "chat_template must be true or false" in bad_message(requests[2])
+        assert counter("invalid") == before + 1
+    finally:
+        model.finalize()
+
+
+def bad_message(request: FakeRequest) -> str:
+    return next(r.error.message() for r in request.responses if r.error is not None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the real server
 # ---------------------------------------------------------------------------------------------------------------
 GREEDY_PROMPTS = ["hello world", "the quick brown fox", "eagle speculative decoding", "a", "lossless: 42!",
@@ -180,12 +434,13 @@ GREEDY_PROMPTS = ["hello world", "the quick brown fox", "eagle speculative decod
 
 @pytest.fixture(scope="module")
 def checkpoint(models, tmp_path_factory):
-    """target/ (Llama fixture + char tokenizer) and draft/ (EAGLE-3 head): the layout the model loads directly."""
+    """target/ (Llama fixture + char tokenizer with a chat template) and draft/ (EAGLE-3 head): the layout the model
+    loads directly."""
     root = tmp_path_factory.mktemp("triton-ck")
     shutil.copytree(models["llama"], root / "target")
     shutil.copytree(models["llama/eagle3"], root / "draft")
     eos = json.loads((root / "target" / "config.json").read_text())["eos_token_id"]
-    write_char_tokenizer(root / "target", eos)
+    write_char_tokenizer(root / "target", eos, chat_template=CHAT_TEMPLATE)   # raw text unless asked
     return root
 
 
@@ -362,6 +617,37 @@ def test_bad_inputs_get_4xx_and_the_server_stays_ready(server, endpoint):
         assert server.ready()
     status, out = post(server, endpoint, {"text_input": "hi", "max_tokens": 4})
     assert status == 200
+
+
+@needs_triton
+def test_chat_template_per_request(server, reference):
+    """The served model's default is raw text; `chat_template: true` (a generate-extension key, or a gRPC request
+    parameter as TensorRT-LLM clients send them) wraps text_input with the tokenizer's chat template."""
+    import tritonclient.grpc as grpcclient
+
+    run_vanilla, _ = reference
+    chat = run_vanilla("user: hello assistant:", 16)
+    status, out = post(server, "generate", {"text_input": "hello", "max_tokens": 16, "chat_template": True})
+    assert status == 200 and ids_of(out["output_ids"]) == chat, out
+    status, out = post(server, "generate", {"text_input": "hello", "max_tokens": 16})
+    assert status == 200 and ids_of(out["output_ids"]) == run_vanilla("hello", 16) != chat
+    status, out = post(server, "generate", {"text_input": "hello", "chat_template": "yes"})
+    assert status == 400 and "chat_template must be true or false" in out["error"], out
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        inputs = [grpcclient.InferInput("text_input", [1, 1], "BYTES"),
+                  grpcclient.InferInput("max_tokens", [1, 1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([["hello"]], dtype=object))
+        inputs[1].set_data_from_numpy(np.array([[16]], np.int32))
+        client.async_stream_infer("eaglex", inputs, parameters={"chat_template": True})
+        result, err = got.get(timeout=60)
+        assert err is None and result.as_numpy("output_ids").reshape(-1).tolist() == chat
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 @needs_triton

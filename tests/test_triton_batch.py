@@ -7,24 +7,27 @@ decodes every request in flight, against the real tritonserver on loopback throu
   equal outputs, the bad ones get their 400 and the others never notice;
 - more requests than slots + queue: the excess is refused with 503 and every accepted one is still exact; the
   gauges show the batch full and requests waiting;
-- a gRPC stream cancelled while its request waits behind a full batch: counted cancelled, the others exact;
+- a request cancelled while it waits behind a full batch leaves the queue at once, and the others are exact: the
+  model in this process (test_triton's stand-in for Triton's Python-backend module), driven without timing;
 - `eaglex triton` batches by default with one instance, and refuses batching over several instances.
+
+kill -9 under a full batch is in test_triton_batch_robust.py (a server of its own).
 """
 from __future__ import annotations
 
 import json
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_triton import (GREEDY_PROMPTS, checkpoint, ids_of, metrics, needs_triton, post, reference,  # noqa: F401
-                         serve, stop_served)
+from test_triton import (GREEDY_PROMPTS, FakeRequest, checkpoint, counter, ids_of, load_in_process,  # noqa: F401
+                         metrics, model_module, needs_triton, post, reference, serve, stop_served)
 
 from eaglex.engines.triton.repository import write_repository
 
-pytestmark = needs_triton
 MAX_BATCH, MAX_QUEUE = 4, 24
 
 
@@ -58,6 +61,7 @@ def hang_up_mid_stream(srv, text: str) -> str:
     return "hung up"
 
 
+@needs_triton
 def test_mixed_load_every_request_exact(server, reference):  # noqa: F811
     run_vanilla, tok = reference
     before = metrics(server)
@@ -126,6 +130,7 @@ def test_mixed_load_every_request_exact(server, reference):  # noqa: F811
     assert server.ready()
 
 
+@needs_triton
 def test_beyond_slots_and_queue_is_refused_with_503(server, reference):  # noqa: F811
     run_vanilla, _ = reference
     n, body = 2 * (MAX_BATCH + MAX_QUEUE), {"text_input": "triton server", "max_tokens": 120}
@@ -169,42 +174,47 @@ def test_cli_batches_by_default_with_one_instance(checkpoint, tmp_path):  # noqa
                  "--max-batch", "8", "--force"]) == 2
 
 
-@pytest.mark.slow   # timing-dependent: it needs all slots busy at once, which failed once on a fresh clone in CI-like
-# conditions ("the batch never filled" within 30 s); kept for `make test-all` until the fill is made deterministic
-def test_a_request_cancelled_while_waiting_for_a_slot_leaves_the_others_exact(server, reference):  # noqa: F811
-    import queue
-
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
+def test_a_request_cancelled_while_waiting_for_a_slot_leaves_the_others_exact(  # noqa: F811
+        checkpoint, reference, tmp_path, monkeypatch):  # noqa: F811
+    """The batching model in this process, driven without timing: MAX_BATCH long requests and one more reach the
+    engine thread in one go (the test holds its lock while they are enqueued), so the batch fills and the last one
+    waits. Once every slot is decoding (seen from the engine thread's own cancellation checks) the waiting request is
+    cancelled: it must leave the queue with CANCELLED before any other request finishes (it was never admitted),
+    and the others are exact."""
     run_vanilla, _ = reference
-    key = 'eaglex_requests_total{model="eaglex",outcome="cancelled"}'
-    before = metrics(server).get(key, 0)
     body = {"text_input": "hello world", "max_tokens": 400}
-    with ThreadPoolExecutor(MAX_BATCH) as pool:
-        busy = [pool.submit(post, server, "generate", body) for _ in range(MAX_BATCH)]
-        deadline = time.monotonic() + 30
-        while metrics(server).get('eaglex_active_requests{model="eaglex"}', 0) < MAX_BATCH:
-            assert time.monotonic() < deadline, "the batch never filled"
-            time.sleep(0.02)
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-        got: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: got.put((result, error)))
-        inputs = []
-        for name, value, dtype in (("text_input", np.array([["draft"]], dtype=object), "BYTES"),
-                                   ("max_tokens", np.array([[400]], np.int32), "INT32"),
-                                   ("stream", np.array([[True]]), "BOOL")):
-            inputs.append(grpcclient.InferInput(name, [1, 1], dtype))
-            inputs[-1].set_data_from_numpy(value)
-        client.async_stream_infer("eaglex", inputs)
-        time.sleep(0.3)
-        client.stop_stream(cancel_requests=True)
-        client.close()
-        results = [f.result() for f in busy]
     want = run_vanilla(body["text_input"], body["max_tokens"])
-    assert all(status == 200 and ids_of(out["output_ids"]) == want for status, out in results)
-    deadline = time.monotonic() + 30
-    while metrics(server).get(key, 0) < before + 1:
-        assert time.monotonic() < deadline, "the cancelled request was not stopped"
-        time.sleep(0.1)
-    assert server.ready()
+    assert len(want) > 20, "the busy requests must decode for several cycles"
+    monkeypatch.setattr(model_module(), "QUEUE_CHECK_S", 0.0)    # the queue is asked every step, not every 0.2 s
+    model = load_in_process(write_repository(checkpoint, tmp_path / "repo", threads=1, max_batch=MAX_BATCH,
+                                             max_queue_size=MAX_QUEUE))
+    b, cancel, seen = model.batching, threading.Event(), {}
+
+    def busy_cancelled() -> bool:
+        """Asked on the engine thread after each cycle of a decoding request: raise the flag once all slots are."""
+        if len(b.gen.active) == MAX_BATCH and not cancel.is_set():
+            seen["waiting when cancelled"] = len(b.gen.queue)
+            cancel.set()
+        return False
+
+    def waiting_cancelled() -> bool:
+        if cancel.is_set():
+            seen.setdefault("in flight when dropped", b.gen.in_flight)
+        return cancel.is_set()
+
+    busy = [FakeRequest(cancelled=busy_cancelled, **body) for _ in range(MAX_BATCH)]
+    waiting = FakeRequest(cancelled=waiting_cancelled, text_input="draft", max_tokens=400, stream=True)
+    cancelled, success = counter("cancelled"), counter("success")
+    try:
+        with b.lock:
+            model.execute(busy + [waiting])
+        got = [r.result() for r in busy]
+        dropped = waiting.result()
+    finally:
+        model.finalize()
+    assert seen == {"waiting when cancelled": 1, "in flight when dropped": MAX_BATCH}, seen
+    assert dropped["error"] == "CANCELLED" and dropped["ids"] == [] and len(waiting.responses) == 1
+    assert waiting.final_at < min(r.final_at for r in busy), "the cancelled request was not dropped from the queue"
+    assert all(g["error"] is None and g["ids"] == want for g in got)
+    assert counter("cancelled") == cancelled + 1 and counter("success") == success + MAX_BATCH
+

@@ -165,6 +165,9 @@ class FakeTriton:
             else:
                 writer.write(b"0\r\n\r\n")
             self.closed.set()
+        elif path.startswith("/v2/models/hang/"):              # a request inside a dead stub: never answered
+            await reader.read()                                # (until the proxy closes the connection)
+            self.closed.set()
         elif path.startswith("/v2/models/sick/"):
             msg = b'{"error":"Stub process \'sick_0_0\' is not healthy."}'
             writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked"
@@ -254,6 +257,49 @@ def test_proxy_streams_and_cancels_when_the_client_goes():
         w.close()                                          # hang up: the proxy closes the upstream connection
         await asyncio.wait_for(fake.closed.wait(), 5)
         assert time.monotonic() - t0 < 4.0                 # not the 5 s the whole stream would take
+    run(scenario)
+
+
+def test_cut_requests_end_with_503_or_an_error_event():
+    """What the supervisor does for requests inside a dead stub: a request not answered yet gets 503 + Retry-After,
+    a stream under way an error event that ends it; other models' requests and later ones are untouched."""
+    async def scenario(front, sup, fake):
+        waiting_r, waiting_w = await asyncio.open_connection("127.0.0.1", front.port)
+        waiting_w.write(request("POST", "/v2/models/hang/generate", b'{"text_input": "hi"}'))
+        stream_r, stream_w = await asyncio.open_connection("127.0.0.1", front.port)
+        stream_w.write(request("POST", "/v2/models/m/generate_stream", b'{"text_input": "hi", "stream": true}'))
+        head = b""
+        while b"data:" not in head:
+            head += await stream_r.read(1024)
+        while not front.pending("hang"):
+            await asyncio.sleep(0.01)
+        assert front.cut(front.pending("hang"), "hang died") == 1
+        status, headers, data = await read_response(waiting_r)
+        assert status == 503 and json.loads(data) == {"error": "hang died"} and headers["retry-after"] == "5"
+        await asyncio.wait_for(fake.closed.wait(), 5)          # and the upstream connection was closed
+        assert not front.pending("hang")
+        assert len(front.pending("m")) == 1                   # the stream of another model goes on
+        stranded = front.pending("m")
+        assert front.cut(stranded, "m died") == 1 and front.cut(stranded, "again") == 0
+        rest = await asyncio.wait_for(stream_r.read(), 5)     # the stream ends, then the connection
+        assert rest.endswith(b'data: {"error": "m died"}\n\n\r\n0\r\n\r\n'), rest[-200:]
+        assert b"0\r\n\r\n" not in head + rest[:-5]
+        r, w = await asyncio.open_connection("127.0.0.1", front.port)
+        w.write(request("POST", "/v2/models/m/generate", b'{"text_input": "hi"}'))
+        assert (await read_response(r))[0] == 200 and not front.inflight
+        # a request that ended otherwise (here its client hung up) is not counted as cut afterwards
+        gone_r, gone_w = await asyncio.open_connection("127.0.0.1", front.port)
+        gone_w.write(request("POST", "/v2/models/m/generate_stream", b'{"text_input": "hi", "stream": true}'))
+        head = b""
+        while b"data:" not in head:
+            head += await gone_r.read(1024)
+        handles = front.pending("m")
+        gone_w.close()
+        while front.pending("m"):
+            await asyncio.sleep(0.01)
+        assert len(handles) == 1 and front.cut(handles, "late") == 0
+        for writer in (waiting_w, stream_w, w):
+            writer.close()
     run(scenario)
 
 

@@ -16,7 +16,9 @@ port is an internal loopback port. For each request the front:
 - refuses the administrative APIs (shared memory, model repository, logging, trace) with 403 unless the server
   was started with them open or the request carries the admin key header (Triton checks the same header);
 - relays everything else byte for byte, streaming responses (generate_stream's server-sent events) as they come,
-  and closes the upstream connection when the client goes away, so that Triton cancels the request.
+  and closes the upstream connection when the client goes away, so that Triton cancels the request;
+- ends the requests the supervisor cuts (they were inside a backend process that died: Triton 2.51 never answers
+  them) with a 503, or with an error event when their stream had begun, instead of leaving the client waiting.
 
 Pure stdlib (asyncio); it runs in the supervisor's event loop (triton_server.py).
 """
@@ -54,6 +56,18 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.headers, self.close = status, message, headers or {}, close
+
+
+class _Cut(Exception):
+    """The supervisor ended a relayed request whose answer will never come (its backend process died under it)."""
+
+
+class _Watch:
+    """What a relay races against: `client`, a read on the client's socket (its end, or a pipelined request's
+    bytes), and `cut`, a future the supervisor resolves with a message to end the request."""
+
+    def __init__(self, client: asyncio.Future, cut: asyncio.Future):
+        self.client, self.cut = client, cut
 
 
 # --- body checks (pure functions, unit-tested) ---------------------------------------------------------------------
@@ -243,6 +257,7 @@ class Front:
         self.head_timeout, self.idle_timeout = head_timeout, idle_timeout
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[asyncio.Task] = set()
+        self.inflight: dict[str, set[asyncio.Future]] = {}     # model -> the cut futures of its relayed requests
         self.refused = {"too_large": 0, "too_deep": 0, "invalid": 0, "admin": 0, "unavailable": 0}
 
     async def start(self) -> "Front":
@@ -262,6 +277,18 @@ class Front:
             task.cancel()
         if self.connections:
             await asyncio.gather(*self.connections, return_exceptions=True)
+
+    def pending(self, model: str) -> list[asyncio.Future]:
+        """The requests of `model` being relayed now, as handles for cut()."""
+        return list(self.inflight.get(model, ()))
+
+    @staticmethod
+    def cut(requests: list[asyncio.Future], message: str) -> int:
+        """End these relayed requests with `message` (those already answered are left alone); how many were ended."""
+        ended = [f for f in requests if not f.done()]
+        for f in ended:
+            f.set_result(message)
+        return len(ended)
 
     # --- one client connection --------------------------------------------------------------------------------
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -489,7 +516,8 @@ class Front:
         except (OSError, TimeoutError, asyncio.TimeoutError):
             raise HttpError(503, "tritonserver is not accepting connections (restarting?)",
                             {"Retry-After": "5"}) from None
-        watcher = None
+        watcher, cut, sent = None, asyncio.get_running_loop().create_future(), None   # sent: how the answer goes out
+        self.inflight.setdefault(model, set()).add(cut)
         try:
             head = [f"{req.method} {req.target} HTTP/1.1"]
             head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
@@ -499,7 +527,7 @@ class Front:
             up_writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
             await up_writer.drain()
             # a client that hangs up while Triton works: close the upstream connection so Triton cancels
-            watcher = asyncio.ensure_future(reader.read(65536))
+            watcher = _Watch(asyncio.ensure_future(reader.read(65536)), cut)
             status_line = await self._race(up_reader.readline(), watcher)
             parts = status_line.decode("latin-1").split(None, 2)
             if len(parts) < 2 or not parts[1].isdigit():
@@ -527,11 +555,13 @@ class Front:
                 if b"Exceeds maximum queue size" in data:     # a batching model's own queue is full: Triton says 400
                     text = data.decode(errors="replace")
                     raise HttpError(503, text[text.find("Exceeds"):].split('"')[0], {"Retry-After": "1"})
+                sent = "exact"
                 self._write_head(writer, status, headers, keep, len(data))
                 writer.write(data)
                 await writer.drain()
                 return keep
 
+            sent = "exact"
             if no_body:
                 self._write_head(writer, status, headers, keep, None if length is None else int(length))
                 await writer.drain()
@@ -543,11 +573,20 @@ class Front:
             if chunked:
                 if req.version == "HTTP/1.0":
                     keep = False
+                sent = "chunked" if req.version != "HTTP/1.0" else "plain"
                 self._write_head(writer, status, headers, keep, None, chunked=req.version != "HTTP/1.0")
                 await self._relay_chunked(up_reader, writer, watcher, raw=req.version != "HTTP/1.0")
                 return keep
             self._write_head(writer, status, headers, False, None)       # delimited by the connection's end
             await self._relay_exact(up_reader, writer, None, watcher)
+            return False
+        except _Cut as e:
+            if sent is None:
+                raise HttpError(503, str(e), {"Retry-After": "5"}, close=True) from None
+            if sent != "exact":                       # an event stream under way: end it with an error event
+                event = b"data: " + error_body(str(e)) + b"\n\n"
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event) if sent == "chunked" else event)
+                await writer.drain()
             return False
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             if isinstance(e, ConnectionResetError) and str(e) == "client gone":
@@ -555,13 +594,18 @@ class Front:
             raise HttpError(502, "the connection to tritonserver broke (did it crash? the supervisor restarts it)",
                             {"Retry-After": "5"}, close=True) from None
         finally:
+            cut.cancel()                                     # answered (or failed): nothing left to cut
+            self.inflight[model].discard(cut)
+            if not self.inflight[model]:
+                del self.inflight[model]
             if watcher is not None:
-                if watcher.done() and not watcher.cancelled() and watcher.exception() is None:
-                    data = watcher.result()
+                client = watcher.client
+                if client.done() and not client.cancelled() and client.exception() is None:
+                    data = client.result()
                     if data:
                         pending += data                      # a pipelined request: keep it
                 else:
-                    watcher.cancel()
+                    client.cancel()
             up_writer.close()
 
     @staticmethod
@@ -576,20 +620,24 @@ class Front:
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
     @staticmethod
-    def _gone(watcher) -> bool:
-        """The client closed its side (EOF or an error on its socket)."""
-        return watcher.exception() is not None or not watcher.result()
+    def _gone(client: asyncio.Future) -> bool:
+        """The client closed its side (EOF or an error on its socket); `client` is done."""
+        return client.exception() is not None or not client.result()
 
-    async def _race(self, coro, watcher):
-        """Await `coro` unless the client goes away first. Bytes the client sends meanwhile (a pipelined request)
-        stay in the watcher's result and are kept for the next request."""
+    async def _race(self, coro, watcher: _Watch):
+        """Await `coro` unless the client goes away or the request is cut first. Bytes the client sends meanwhile (a
+        pipelined request) stay in the client read's result and are kept for the next request."""
         task = asyncio.ensure_future(coro)
-        if not watcher.done():
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and self._gone(watcher):
-            task.cancel()
-            raise ConnectionResetError("client gone")
-        return await task
+        while not task.done():
+            if watcher.cut.done():
+                task.cancel()
+                raise _Cut(watcher.cut.result())
+            if watcher.client.done() and self._gone(watcher.client):
+                task.cancel()
+                raise ConnectionResetError("client gone")
+            waits = {task, watcher.cut} | (set() if watcher.client.done() else {watcher.client})
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return task.result()
 
     async def _read_small(self, up_reader, length: int | None, watcher, limit: int = 65536) -> bytes:
         """A whole (error) response body, Content-Length or chunked; at most `limit` bytes are kept."""

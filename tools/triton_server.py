@@ -17,7 +17,9 @@ on 127.0.0.1. `make serve` / `make serve-stop` and the tests use it.
 - watches tritonserver and each model's Python-backend stub processes. When tritonserver dies it is restarted (with
   a backoff when it keeps dying); when a stub dies its model is reloaded through Triton's model-control API
   (unload + load), or tritonserver is restarted when the unload cannot finish (requests already waited on the dead
-  stub: Triton 2.51 then never completes the unload). Shared-memory files of a dead server or stub are removed;
+  stub: Triton 2.51 then never completes the unload). The HTTP requests that were inside a dead stub, which Triton
+  never answers, are ended by the front with a 503 (or an error event in a stream). Shared-memory files of a dead
+  server or stub are removed;
 - on SIGTERM/SIGINT stops tritonserver (gracefully when it is healthy, quickly when it is not), removes leftovers and
   writes what happened to its state file (`stop` prints it).
 
@@ -512,9 +514,10 @@ class Supervisor:
             self.log(f"removed {len(result['shm_removed'])} shared-memory file(s) of the old server")
         await self._start_server(first=False)
 
-    async def _reload(self, model: str, reason: str, dead_shm: set[str]) -> None:
+    async def _reload(self, model: str, reason: str, dead_shm: set[str], stranded: list = ()) -> None:
         """Reload one model through the model-control API (unload, then load at once: the new instances start while
-        the old ones unload); restart tritonserver when that fails."""
+        the old ones unload); restart tritonserver when that fails. `stranded`: the front's requests that may be
+        inside the dead stub, ended once the old version's live stubs are gone (_watch_unload)."""
         self.reloads += 1
         t0 = time.monotonic()
         self.models.setdefault(model, {"inputs": None})
@@ -531,13 +534,15 @@ class Supervisor:
         await self._discover(exclude=old)
         self.unhealthy.pop(model, None)         # reports about the old instances
         self.event(f"model {model} reloaded in {time.monotonic() - t0:.1f} s")
-        asyncio.ensure_future(self._watch_unload(model, self.proc.pid, dead_shm, old))
+        asyncio.ensure_future(self._watch_unload(model, self.proc.pid, dead_shm, old, stranded))
 
-    async def _watch_unload(self, model: str, server_pid: int, dead_shm: set[str], old: set[int]) -> None:
+    async def _watch_unload(self, model: str, server_pid: int, dead_shm: set[str], old: set[int],
+                            stranded: list = ()) -> None:
         """Triton 2.51 never finishes unloading a model version with an instance whose stub died after a request had
         reached it: that stub's shared memory stays, the version's other stubs (with their copy of the model) stay,
         and tritonserver would wait its whole exit timeout at stop. Note it (the stop is then quick, and the
-        leftovers are removed afterwards), and end those other stubs once they are idle to free their memory."""
+        leftovers are removed afterwards), and end those other stubs once they are idle to free their memory. The
+        requests of `stranded` still unanswered then were inside the dead stub: the front ends them."""
         def same_server() -> bool:
             return self.proc is not None and self.proc.pid == server_pid and self.proc.poll() is None
 
@@ -551,6 +556,7 @@ class Supervisor:
         while same_server() and not self.stopping:
             left = {p for p in old if alive(p) and Path(cmdline(p)[0] if cmdline(p) else "").name == STUB}
             if not left:
+                self._cut(model, stranded)
                 return
             for pid in left:
                 fields = _stat(pid)
@@ -596,7 +602,24 @@ class Supervisor:
         if dead and not self.stopping:          # one model per tick: a reload or restart changes the picture
             model, what = next(iter(dead.items()))
             dead_shm = {s["shm"] for p, s in self.tracked.items() if s["model"] == model and p not in live}
-            await self._reload(model, f"backend process {', '.join(what)} died", dead_shm)
+            # Triton never answers the requests inside a dead stub. With no live stub of the model left (one
+            # instance: in-flight batching) every request relayed to it now is one of them; otherwise they are known
+            # only once the old version's live stubs have finished theirs (_watch_unload).
+            stranded = self.front.pending(model) if self.front is not None else []
+            if not any(s["model"] == model and p in live for p, s in self.tracked.items()):
+                if self._cut(model, stranded):     # requests were inside it: its version never finishes unloading,
+                    self.stuck.add(model)          # so a stop need not wait Triton's exit timeout (see _watch_unload)
+                stranded = []
+            await self._reload(model, f"backend process {', '.join(what)} died", dead_shm, stranded)
+
+    def _cut(self, model: str, requests: list) -> int:
+        """End the front's `requests` of `model` that are still unanswered (inside a dead stub: Triton never will);
+        how many were."""
+        n = self.front.cut(requests, f"model {model}: its backend process died under this request; the supervisor "
+                                     "is reloading it, retry shortly") if requests else 0
+        if n:
+            self.event(f"model {model}: ended {n} request(s) that were inside the dead backend process")
+        return n
 
     # --- the whole life ---------------------------------------------------------------------------------------------
     async def run(self) -> int:

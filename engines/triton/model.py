@@ -17,6 +17,8 @@ Design:
 - Without batching (`max_batch` 0): one request at a time per instance, a backend owning one KV cache;
   concurrency comes from `instance_group` count (one stub process each) and Triton's queue in front of them
   (config.pbtxt's dynamic_batching queue policy).
+- text_input is raw text by default (TensorRT-LLM's meaning); the model parameter `chat_template` true, or a
+  request's parameter of that name, makes it the user's message, wrapped with the tokenizer's chat template.
 - Client mistakes become TritonError INVALID_ARG/UNSUPPORTED (HTTP 400) and the instance keeps serving; anything
   else becomes INTERNAL (500) with the traceback in the server log.
 - Cancellation (a gRPC stream cancelled, a request timed out in Triton, a client gone mid-stream) is checked once
@@ -38,7 +40,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .loader import load
-from .request import Limits, RequestError, parse
+from .request import Limits, RequestError, parse, tokenize
 from .textstream import TextStream
 
 
@@ -101,8 +103,7 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         self.engine = load(engine_dir, params.get("method") or "default", tree, threads=threads)
         spec = self.engine.spec
-        self.limits = Limits(spec.vocab_size, spec.max_context, int(params.get("max_input_bytes") or 65536),
-                             int(params.get("default_max_tokens") or 128), self.engine.tokenizer is not None)
+        self.limits = Limits.from_parameters(params, spec.vocab_size, spec.max_context, self.engine.tokenizer)
         self.metrics = _Metrics(self.name)
         max_batch = int(params.get("max_batch") or 0)
         self.batching = None
@@ -115,7 +116,8 @@ class TritonPythonModel:
                    f"{b.slot_bytes / 2 ** 20:.1f} MiB per slot, at most {b.max_queue} waiting")
         pb_utils.Logger.log_info(
             f"eaglex: {args['model_instance_name']} loaded {engine_dir} ({self.engine.layout}, method "
-            f"{self.engine.method}, tree {self.engine.tree}) in {time.perf_counter() - t0:.1f} s; {how}")
+            f"{self.engine.method}, tree {self.engine.tree}) in {time.perf_counter() - t0:.1f} s; {how}; chat "
+            f"template on text_input {'on' if self.limits.chat_template else 'off'} by default")
 
     def execute(self, requests):
         # Decoupled: responses go through each request's sender; execute returns None.
@@ -156,8 +158,8 @@ class TritonPythonModel:
         finally:
             self.metrics.requests[outcome].increment(1)
 
-    def _tokenize(self, text: str) -> list[int]:
-        return list(self.engine.tokenizer(text)["input_ids"])
+    def _tokenize(self, text: str, chat: bool) -> list[int]:
+        return tokenize(self.engine.tokenizer, text, chat)
 
     def _hooks(self, req, request, sender):
         """-> (text stream, ended, on_tokens, stop): end_id, stop words, cancellation and a vanished client end the

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from eaglex.models.errors import ModelError
+from eaglex.prompts import load_tokenizer
 
 from .loader import layout
 
@@ -52,14 +53,15 @@ from eaglex.engines.triton.model import TritonPythonModel  # noqa: F401
 
 def config_pbtxt(name: str, engine_dir: str, instances: int = 1, max_queue_size: int = 64, threads: int = 0,
                  method: str = "default", max_input_bytes: int = 65536, default_max_tokens: int = 128,
-                 tree: str | None = None, max_batch: int = 0) -> str:
+                 tree: str | None = None, max_batch: int = 0, chat_template: bool = False) -> str:
     def tensor(n, t, dims, optional=None):
         opt = f" optional: {'true' if optional else 'false'}" if optional is not None else ""
         return f'  {{ name: "{n}" data_type: {t} dims: {dims}{opt} }}'
 
     params = {"engine_dir": engine_dir, "method": method, "threads": str(threads),
               "max_input_bytes": str(max_input_bytes), "default_max_tokens": str(default_max_tokens),
-              "max_batch": str(max_batch), "max_queue_size": str(max_queue_size)}
+              "max_batch": str(max_batch), "max_queue_size": str(max_queue_size),
+              "chat_template": "true" if chat_template else "false"}
     if max_batch > 0:
         concurrency = (f"# Concurrency comes from in-flight batching inside the one instance: up to {max_batch} requests "
                        "decode together\n# (parameter max_batch), one copy of the weights.")
@@ -107,6 +109,9 @@ output [
 # default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides
 # the engine's own (tuned) tree. max_batch: requests decoded together by in-flight batching (0: one request at a
 # time per instance); with batching at most max_queue_size requests wait for a slot, more are refused (503).
+# chat_template: true wraps text_input, the user's message, with the tokenizer's chat template and generation prompt;
+# false (the default) takes it as raw text, as TensorRT-LLM's ensemble does. A request's parameter chat_template
+# (true/false) overrides it.
 parameters [
 {param_lines}
 ]
@@ -120,10 +125,11 @@ def _escape(v: str) -> str:
 def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int = 1, max_queue_size: int = 64,
                      threads: int = 0, method: str = "default", copy: bool = False, force: bool = False,
                      max_input_bytes: int = 65536, default_max_tokens: int = 128, tree: str | None = None,
-                     max_batch: int = 0) -> Path:
+                     max_batch: int = 0, chat_template: bool = False) -> Path:
     """Write `<out_dir>/<name>`; returns that model folder. `max_batch` > 0: one instance decoding up to that many
-    requests together (in-flight batching); 0: one request at a time per instance. Bad arguments raise a one-line
-    ModelError."""
+    requests together (in-flight batching); 0: one request at a time per instance. `chat_template`: the model's
+    default for applying the tokenizer's chat template to text_input (the engine's tokenizer must have one). Bad
+    arguments raise a one-line ModelError."""
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise ModelError(f"model name {name!r}: use letters, digits, '_', '-' and '.'")
     for what, v, lo in (("instances", instances, 1), ("max queue size", max_queue_size, 1), ("threads", threads, 0),
@@ -138,7 +144,9 @@ def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int =
     if method not in ("default", "vanilla"):
         raise ModelError(f"method must be default or vanilla, got {method!r}")
     engine = Path(engine_dir).resolve()
-    layout(engine)                                   # fails early, with the reason, on a folder Triton cannot load
+    kind = layout(engine)                            # fails early, with the reason, on a folder Triton cannot load
+    if chat_template:
+        check_chat_template(engine, kind)
     model = Path(out_dir) / name
     if model.exists():
         if not force:
@@ -154,5 +162,17 @@ def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int =
         ref = "engine"
     (version / "model.py").write_text(MODEL_PY)
     (model / "config.pbtxt").write_text(config_pbtxt(name, ref, instances, max_queue_size, threads, method,
-                                                     max_input_bytes, default_max_tokens, tree, max_batch))
+                                                     max_input_bytes, default_max_tokens, tree, max_batch,
+                                                     chat_template))
     return model
+
+
+def check_chat_template(engine: Path, kind: str) -> None:
+    """A ModelError unless the tokenizer the model will load has a chat template (found where
+    runtime.engine.open_engine looks: the engine folder, or target/ then the folder itself for target/ + draft/)."""
+    folders = [engine / "target", engine] if kind == "checkpoint" else [engine]
+    tokenizer = next((t for t in map(load_tokenizer, folders) if t is not None), None)
+    if tokenizer is None:
+        raise ModelError(f"{engine} has no tokenizer: a chat template needs one (clients would send input_ids)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"the tokenizer of {engine} has no chat template: serve it without --chat (raw text)")

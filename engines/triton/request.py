@@ -8,8 +8,11 @@ log-prob outputs) is refused with a clear message instead of being ignored.
 
 Triton's own front end checks tensor names, shapes and data types before the model sees a request; what arrives here
 is already typed. (Triton's JSON conversion wraps integers around to the input's type: the HTTP front of the
-supervised server, tools/triton_front.py, refuses out-of-range JSON values before that.) Keys of a generate-extension body that match no input arrive as request *parameters*; those are
-refused as unknown, apart from Triton's reserved `triton_*` keys and TensorRT-LLM's harmless flags.
+supervised server, tools/triton_front.py, refuses out-of-range JSON values before that.) Keys of a generate-extension
+body that match no input arrive as request *parameters*; those are refused as unknown, apart from Triton's reserved
+`triton_*` keys, TensorRT-LLM's harmless flags and eaglex's own `chat_template` (true: text_input is the user's
+message, wrapped with the tokenizer's chat template; it overrides the model parameter of the same name, whose
+default, false, keeps TensorRT-LLM's meaning of text_input: raw text).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eaglex.models.errors import ModelError
+from eaglex.prompts import encode
 from eaglex.runtime.types import SamplingConfig
 
 # request parameters TensorRT-LLM clients send that need no action: stats are always returned, and the flags asking
@@ -43,6 +48,22 @@ class Limits:
     max_input_bytes: int        # text_input longer than this is refused before tokenizing
     default_max_tokens: int     # when the request has no max_tokens (clipped to the room left)
     has_tokenizer: bool
+    chat_template: bool = False         # the model's default: wrap text_input with the chat template
+    has_chat_template: bool = False     # the engine's tokenizer has one
+
+    @classmethod
+    def from_parameters(cls, params: dict, vocab_size: int, max_context: int, tokenizer) -> Limits:
+        """The limits of a model: its config.pbtxt parameters (name -> string) and its engine's tokenizer.
+        A bad parameter raises a one-line ModelError (the model does not load)."""
+        chat = params.get("chat_template") or "false"
+        if chat not in ("true", "false"):
+            raise ModelError(f"model parameter chat_template must be true or false, got {chat!r}")
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if chat == "true" and not has_template:
+            raise ModelError("model parameter chat_template is true, but the engine's tokenizer has no chat template: "
+                             "set it to false (clients then send raw text)")
+        return cls(vocab_size, max_context, int(params.get("max_input_bytes") or 65536),
+                   int(params.get("default_max_tokens") or 128), tokenizer is not None, chat == "true", has_template)
 
 
 @dataclass
@@ -101,9 +122,11 @@ def _float(arrays: dict, name: str) -> float | None:
     return v
 
 
-def check_parameters(raw: str | dict | None) -> None:
-    """Refuse unknown request parameters (misspelled knobs would otherwise be silently ignored)."""
+def check_parameters(raw: str | dict | None) -> dict:
+    """Refuse unknown request parameters (misspelled knobs would otherwise be silently ignored); returns eaglex's own
+    ones (chat_template), type-checked."""
     params = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+    own = {}
     for key, value in params.items():
         if key.startswith("triton_"):            # reserved by Triton itself (e.g. triton_enable_empty_final_response)
             continue
@@ -114,14 +137,28 @@ def check_parameters(raw: str | dict | None) -> None:
                 raise RequestError(f"{key} is not supported by eaglex (it returns no logits or log-probs)",
                                    "UNSUPPORTED")
             continue
+        if key == "chat_template":
+            if not isinstance(value, bool):     # "false" would be truthy: only JSON true/false are accepted
+                raise RequestError(f"parameter chat_template must be true or false (a boolean), got {value!r}")
+            own[key] = value
+            continue
         raise RequestError(f"unknown parameter {key!r}: this model's inputs are text_input or input_ids, "
-                           "max_tokens, temperature, top_p, top_k, seed/random_seed, end_id, stream, stop_words")
+                           "max_tokens, temperature, top_p, top_k, seed/random_seed, end_id, stream, stop_words "
+                           "(and the parameter chat_template)")
+    return own
+
+
+def tokenize(tokenizer, text: str, chat: bool) -> list[int]:
+    """text -> ids; `chat`: as the user's message, wrapped with the tokenizer's chat template and its generation
+    prompt (eaglex.prompts.encode, as `eaglex generate --chat` does)."""
+    return [int(i) for i in encode({"prompt": text}, tokenizer, chat, "text_input")]
 
 
 def parse(arrays: dict[str, np.ndarray], parameters, limits: Limits, tokenize) -> GenerateRequest:
-    """Validate one request. `arrays`: input name -> numpy array as Triton delivers it; `tokenize`: str -> ids."""
-    check_parameters(parameters)
-    ids = _prompt(arrays, limits, tokenize)
+    """Validate one request. `arrays`: input name -> numpy array as Triton delivers it; `tokenize`: (text, chat) ->
+    ids, chat meaning "apply the chat template"."""
+    chat = check_parameters(parameters).get("chat_template")
+    ids = _prompt(arrays, limits, tokenize, chat)
     room = limits.max_context - len(ids)
     if room <= 0:
         raise RequestError(f"the prompt has {len(ids)} tokens; the model's context holds {limits.max_context}, "
@@ -153,13 +190,16 @@ def parse(arrays: dict[str, np.ndarray], parameters, limits: Limits, tokenize) -
                            stop_words)
 
 
-def _prompt(arrays: dict, limits: Limits, tokenize) -> list[int]:
+def _prompt(arrays: dict, limits: Limits, tokenize, chat: bool | None) -> list[int]:
+    """The prompt's ids; `chat`: the request's chat_template parameter (None: the model's default)."""
     text, ids = arrays.get("text_input"), arrays.get("input_ids")
     if text is not None and ids is not None:
         raise RequestError("give either text_input or input_ids, not both")
     if text is None and ids is None:
         raise RequestError("the request has no prompt: give text_input (or input_ids)")
     if ids is not None:
+        if chat:
+            raise RequestError("chat_template applies to text_input: input_ids are used as they are")
         flat = ids.reshape(-1)
         if flat.size == 0:
             raise RequestError("the prompt is empty: input_ids holds no token")
@@ -177,7 +217,11 @@ def _prompt(arrays: dict, limits: Limits, tokenize) -> list[int]:
         raise RequestError("the prompt is empty: text_input is an empty string")
     if not limits.has_tokenizer:
         raise RequestError("this engine has no tokenizer: send input_ids (INT32 token ids) instead of text_input")
-    out = tokenize(prompt)
+    chat = limits.chat_template if chat is None else chat
+    if chat and not limits.has_chat_template:
+        raise RequestError("chat_template is true, but this engine's tokenizer has no chat template: send the "
+                           "prompt as raw text (chat_template false)")
+    out = tokenize(prompt, chat)
     if not out:
         raise RequestError("the prompt is empty: text_input tokenizes to no tokens")
     if len(out) >= limits.max_context:
