@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.models.errors import ModelError
+from eaglex.prompts import has_chat_template
 
 SOURCES = ("auto", "builtin-chat", "builtin")
 HF_PREFIX = "hf:"
@@ -60,10 +61,6 @@ class TextWindows:
     @property
     def evaluation_tokens(self) -> int:
         return sum(map(len, self.evaluation))
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
 
 
 def resolve_source(data: str, tokenizer) -> str:

@@ -33,6 +33,10 @@ def load_tokenizer(folder: str | Path | None):
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
+
+
 def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
     if "input_ids" in record:
         ids = record["input_ids"]
@@ -46,7 +50,7 @@ def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
             raise ModelError(f"{where}: a text prompt needs a tokenizer in the target folder; "
                              "give input_ids instead")
         if chat:
-            if not getattr(tokenizer, "chat_template", None):
+            if not has_chat_template(tokenizer):
                 raise ModelError(f"{where}: --chat needs a tokenizer with a chat template")
             out = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
                                                 add_generation_prompt=True, tokenize=True)

@@ -28,9 +28,8 @@ BUILTIN_CHAT = "builtin-chat"
 def builtin_chat(tokenizer, eval_prompts: int) -> list[list[int]]:
     """The built-in training instructions, then `eval_prompts` held-out ones, in the tokenizer's chat template."""
     from eaglex import chat_prompts
-    from eaglex.calibration.data import has_chat_template
     from eaglex.models.errors import ModelError
-    from eaglex.prompts import encode
+    from eaglex.prompts import encode, has_chat_template
 
     if tokenizer is None or not has_chat_template(tokenizer):
         raise ModelError(f"--data {BUILTIN_CHAT} needs a tokenizer with a chat template in the target folder; "
