@@ -9,6 +9,11 @@ gap between prediction and measurement shows runtime overhead.
 Threads: each section runs under the thread policy of runtime/threads.py (ORT rows: ORT's pool on the cores, torch
 on one thread; torch rows and transformers peers: torch on the cores); every row states its threads.
 
+Peers: transformers (greedy, prompt lookup, assisted) on the target folder, and llama.cpp on the GGUF file the
+target came from (eaglex/llamacpp_peer.py). Every peer's tokens are compared with eaglex vanilla; a mismatch fails
+the run only for rows that must be identical (not llama.cpp's: other kernels and quantized weights, reported in a
+note under the table).
+
 Devices: every row states where it ran (`device`, with the dtype). On a GPU the per-cycle split comes from CUDA
 events around each forward (runtime/generate.py), so "other" is the time the GPU waited for the host, and the cost
 model synchronises around every timed call.
@@ -53,6 +58,8 @@ class Row:
     requests: int = 0
     threads: str = ""
     device: str = ""
+    enforced: bool = True        # False: a mismatch with vanilla is reported, not a failure (see the docstring)
+    note: str = ""
 
     def add(self, r, baseline) -> None:
         """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
@@ -70,9 +77,9 @@ class Row:
         self.decode_draft_seconds += r.draft_seconds - r.prefill_draft_seconds
 
     def as_dict(self) -> dict:
-        # transformers' assisted and prompt-lookup rows report no acceptance: their τ is unknown, not 1
+        # transformers' and llama.cpp's assisted and prompt-lookup rows report no acceptance: their τ is unknown
         tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else \
-            (1.0 if self.method in ("vanilla", "hf greedy") else None)
+            (1.0 if self.method in ("vanilla", "hf greedy", "greedy") else None)
         hist = {str(k): self.accept_lengths.count(k) for k in sorted(set(self.accept_lengths))}
         per_cycle = lambda s: round(1e3 * s / self.cycles, 3) if self.cycles else None  # noqa: E731
         ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
@@ -88,12 +95,14 @@ class Row:
                 "speedup": ratio(self.baseline_seconds, self.seconds),
                 "decode_tokens_per_s": ratio(self.tokens - self.requests, self.decode_seconds),
                 "decode_speedup": decode_speedup,
-                "identical_to_vanilla": self.identical, "tau": None if tau is None else round(tau, 3),
+                "identical_to_vanilla": self.identical, "identical_enforced": self.enforced,
+                "tau": None if tau is None else round(tau, 3),
                 "tau_histogram": hist,
                 "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(draft),
                 "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
                 "predicted_speedup": self.predicted_speedup,
-                "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup)}
+                "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup),
+                **({"note": self.note} if self.note else {})}
 
 
 def machine() -> dict:
@@ -311,23 +320,30 @@ def print_table(rows: list[dict]) -> None:
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+
+    def same(r):        # "no": a reported mismatch that does not fail the run (identical_enforced false)
+        return "yes" if r["identical_to_vanilla"] else "NO" if r.get("identical_enforced", True) else "no"
     for r in rows:
         print(f"{r['engine']:<14} {r['method']:<16} {r['tree']:<16} {r.get('device', ''):<15} {r['threads']:<12} "
               f"{fmt(r['tokens_per_s'], '7.1f')} "
               f"{fmt(r['speedup'], '5.2f')}x {fmt(r.get('decode_speedup'), '6.2f')}x "
               f"{fmt(r.get('vs_hf_greedy'), '5.2f')}x "
               f"{fmt(r.get('predicted_speedup'), '6.2f')} {fmt(r.get('measured_over_predicted'), '5.2f')} "
-              f"{fmt(r['tau'], '5.2f')} {'yes' if r['identical_to_vanilla'] else 'NO':>5} "
+              f"{fmt(r['tau'], '5.2f')} {same(r):>5} "
               f"{fmt(r.get('draft_ms_per_cycle'), '9.2f')} {fmt(r.get('verify_ms_per_cycle'), '9.2f')} "
               f"{fmt(r.get('other_ms_per_cycle'), '9.2f')}")
+    for r in rows:
+        if r.get("note"):
+            print(f"  {r['engine']} {r['method']} ({r['device']}): {r['note']}")
 
 
 def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
-        device: str = "cpu", dtype: str = "float32") -> list[dict]:
+        device: str = "cpu", dtype: str = "float32", llamacpp=None) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
     every tree (None = the engine's own tree, tuned once if it never was), interleaved; then the transformers peers
-    on `target_dir`. Prints the table, writes the JSON to `out`, returns the rows."""
+    on `target_dir`, and the llama.cpp peers with `llamacpp` (a llamacpp_peer.LlamaCppConfig). Prints the table,
+    writes the JSON to `out`, returns the rows."""
     from eaglex.engines.tune import tune_engine
 
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -358,13 +374,20 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         for row in got:
             row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]
-        if reference is None and target_dir is not None and peers:
+        if reference is None and (target_dir is not None and peers or llamacpp is not None):
             reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
     if target_dir is not None and peers:
         policy = set_threads(threads, onnxruntime=False)
         for r in run_hf_peers(target_dir, prompts, max_new_tokens, draft_lm_dir, reference, device, dtype):
             r.threads = f"torch {policy['torch']}"
             rows.append(r.as_dict())
+    if llamacpp is not None:
+        from eaglex.llamacpp_peer import run_llamacpp_peers
+        from eaglex.runtime.ort_session import physical_cores
+        spec = engines[0][1].spec
+        got = run_llamacpp_peers(llamacpp, prompts, max_new_tokens, threads or physical_cores(), spec.eos_ids,
+                                 spec.max_context, reference)
+        rows += [r.as_dict() for r in got]
     hf = next((r for r in rows if r["method"] == "hf greedy"), None)
     for r in rows:
         r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None

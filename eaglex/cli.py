@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--providers", help=PROVIDERS_HELP)
     ben.add_argument("--no-torch", action="store_true", help="skip the torch backend rows")
     ben.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    ben.add_argument("--llamacpp", default="auto", metavar="auto|off|FILE.gguf",
+                     help="llama.cpp peers (llama-cpp-python) on the GGUF file the target was converted from: greedy "
+                          "with the file itself and with F32 and Q8_0 copies of its weights (written once, beside the "
+                          "target folder), and prompt lookup on F32, on the cores of the eaglex rows. auto (default): "
+                          "when llama_cpp is installed and the target folder (--target, else the first --engine's) "
+                          "came from a GGUF file that is found (given as --target FILE.gguf, beside the folder, or in "
+                          "a preset's pip package); FILE.gguf: that file (checked against the target's); off: none. "
+                          "These rows report whether their tokens equal eaglex vanilla but never fail the run")
     ben.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON results file")
 
     bld = sub.add_parser("build", help="export a target (+ EAGLE head) to an engine folder and check it")
@@ -352,9 +360,23 @@ def cmd_bench(args) -> int:
         raise ModelError("give --target (torch rows) and/or --engine DIR")
     prompts = read_prompts(args.prompts, load_tokenizer(args.target) or engines[0][1].tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    llamacpp = _llamacpp_from_args(args, engines)
     rows = bench.run(engines, prompts, trees, args.max_new_tokens, args.target, args.draft_lm, not args.no_peers,
-                     args.threads or None, args.out, device=device)
-    return 0 if all(r["identical_to_vanilla"] for r in rows) else 1
+                     args.threads or None, args.out, device=device, llamacpp=llamacpp)
+    # llama.cpp rows report their agreement with vanilla without failing the run (identical_enforced false)
+    return 0 if all(r["identical_to_vanilla"] or not r["identical_enforced"] for r in rows) else 1
+
+
+def _llamacpp_from_args(args, engines):
+    """bench --llamacpp as a LlamaCppConfig or None. The target folder: --target, else the folder the first engine
+    was built from (its manifest's source path)."""
+    from eaglex.llamacpp_peer import resolve
+    target = args.target
+    if target is None:
+        manifest = next((e.manifest for _, e in engines if e.manifest), None) or {}
+        path = manifest.get("sources", {}).get("target", {}).get("path")
+        target = Path(path) if path else None
+    return resolve(args.llamacpp, target, getattr(args, "gguf_sources", {}).get("target"))
 
 
 def cmd_build(args) -> int:
@@ -455,6 +477,7 @@ def _gguf_targets(args) -> None:
         value = getattr(args, name, None)
         if isinstance(value, Path) and is_gguf_path(value):
             setattr(args, name, resolve_target(value))
+            vars(args).setdefault("gguf_sources", {})[name] = value     # bench --llamacpp auto runs the file itself
 
 
 COMMANDS = {"generate": cmd_generate, "check": cmd_check, "engine": cmd_engine, "bench": cmd_bench,

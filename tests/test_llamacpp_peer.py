@@ -1,0 +1,205 @@
+"""llama.cpp as a bench peer: F32 / Q8_0 copies of a GGUF file hold the same weights and metadata, the --llamacpp
+option resolves (or skips with one line), and, where llama-cpp-python is installed, llama.cpp's greedy F32 tokens
+equal eaglex vanilla on a tiny GGUF target."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from eaglex import llamacpp_peer as P  # noqa: E402
+from eaglex.models import gguf as G  # noqa: E402
+from eaglex.models import gguf_derive as D  # noqa: E402
+from eaglex.models.errors import ModelError  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+TOKENS = ["<s>", "</s>", "a", "b"]
+
+
+def _write(path: Path, tensors: dict, alignment: int = 64) -> None:
+    """A small GGUF of `tensors` (name -> (float32 array, type)) with one metadata field of every kind."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(alignment)
+    w.add_name("odd")
+    w.add_block_count(1)
+    w.add_uint32("llama.context_length", 128)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_token_list(TOKENS)
+    w.add_token_types([3, 3, 1, 1])
+    w.add_array("general.languages", ["en", "fr"])
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_1))
+    for name, (data, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, data.astype(np.float32 if qtype == Q.F32 else np.float16))
+        else:
+            q = gguf.quants.quantize(data, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory):
+    """Every case the writer distinguishes: F16, Q4_1 and Q8_0 matrices, a 1-D norm, rows of 48 (not 32-divisible)."""
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    path = tmp_path_factory.mktemp("odd") / "odd.Q4_1.gguf"
+    _write(path, {"token_embd.weight": (r(4, 64), Q.F16), "blk.0.attn_q.weight": (r(64, 64), Q.Q4_1),
+                  "blk.0.ffn_down.weight": (r(64, 128), Q.Q8_0), "blk.0.attn_norm.weight": (r(64), Q.F32),
+                  "blk.0.odd.weight": (r(8, 48), Q.F32)})
+    return path
+
+
+def _fields(reader) -> dict:
+    return {k: (f.types, f.contents()) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _floats(t) -> np.ndarray:
+    return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(
+        tuple(reversed(t.shape.tolist())))
+
+
+def test_f32_copy_holds_the_dequantized_weights_and_every_field(odd, tmp_path):
+    out = D.write_gguf_as(odd, tmp_path / "f32.gguf", "F32")
+    src, got = gguf.GGUFReader(odd), gguf.GGUFReader(out)
+    want = _fields(src)
+    want["general.file_type"] = (want["general.file_type"][0], int(gguf.LlamaFileType.ALL_F32))
+    assert _fields(got) == want
+    assert [t.name for t in got.tensors] == [t.name for t in src.tensors]
+    for s, g in zip(src.tensors, got.tensors):
+        assert g.tensor_type == Q.F32
+        np.testing.assert_array_equal(_floats(g), _floats(s))
+    assert [p.name for p in tmp_path.iterdir()] == ["f32.gguf"]           # no temporary file left behind
+
+
+def test_q8_0_copy_follows_llama_cpp_rules(odd, tmp_path):
+    out = D.write_gguf_as(odd, tmp_path / "q8.gguf", "Q8_0")
+    src = {t.name: t for t in gguf.GGUFReader(odd).tensors}
+    got = gguf.GGUFReader(out)
+    assert got.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert got.fields["general.alignment"].contents() == 64
+    types = {t.name: t.tensor_type for t in got.tensors}
+    assert types == {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q8_0,
+                     "blk.0.attn_norm.weight": Q.F32, "blk.0.odd.weight": Q.F32}
+    for t in got.tensors:
+        s = src[t.name]
+        if s.tensor_type == Q.Q8_0:                                       # copied, not re-rounded
+            np.testing.assert_array_equal(np.asarray(t.data), np.asarray(s.data))
+        elif t.tensor_type == Q.Q8_0:
+            np.testing.assert_array_equal(np.asarray(t.data), gguf.quants.quantize(_floats(s), Q.Q8_0))
+        else:
+            np.testing.assert_array_equal(_floats(t), _floats(s))
+
+
+def test_derived_files_are_cached_by_content(odd, tmp_path, monkeypatch):
+    first = D.derived_gguf(odd, "Q8_0", tmp_path)
+    assert first.name == f"odd-{G.file_sha256(odd)[:16]}.Q8_0.gguf"
+    monkeypatch.setattr(D, "write_gguf_as", lambda *a: pytest.fail("rewritten"))
+    assert D.derived_gguf(odd, "Q8_0", tmp_path) == first
+
+
+def test_bad_requests_fail_in_one_line(odd, tmp_path):
+    with pytest.raises(ModelError, match="Q4_K"):
+        D.write_gguf_as(odd, tmp_path / "x.gguf", "Q4_K")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        D.write_gguf_as(junk, tmp_path / "y.gguf", "F32")
+
+
+def _converted(tmp_path, src: Path) -> Path:
+    """A folder with the marker convert_gguf writes (no weights: resolve reads only the marker)."""
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / G.MARKER).write_text(json.dumps({"source": src.name, "size": src.stat().st_size,
+                                               "sha256": G.file_sha256(src)}))
+    return folder
+
+
+def test_option_resolves_or_skips_with_one_line(odd, tmp_path, monkeypatch):
+    lines = []
+    assert P.resolve("off", None, log=lines.append) is None and lines == []
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert P.resolve("auto", plain, log=lines.append) is None
+    assert len(lines) == 1 and "not converted from a GGUF file" in lines[0]
+
+    folder = _converted(tmp_path, odd)                  # the marker's file is not beside the folder
+    lines.clear()
+    assert P.resolve("auto", folder, log=lines.append) is None and "--llamacpp FILE.gguf" in lines[0]
+
+    monkeypatch.setattr(P, "available", lambda: False)
+    lines.clear()
+    assert P.resolve("auto", folder, gguf_hint=odd, log=lines.append) is None
+    assert lines == [f"llama.cpp peers: skipped (llama-cpp-python is not installed: {P.INSTALL})"]
+
+    monkeypatch.setattr(P, "available", lambda: True)
+    cfg = P.resolve("auto", folder, gguf_hint=odd, log=lines.append)
+    assert cfg.source == odd and cfg.cache_dir == folder.resolve().with_name("target.llamacpp")
+    assert P.resolve(str(odd), folder).source == odd
+    monkeypatch.setattr(P, "_packaged", lambda name: [odd] if name == odd.name else [])   # a preset's pip package
+    assert P.resolve("auto", folder).source == odd
+    other = tmp_path / "other.gguf"
+    _write(other, {"token_embd.weight": (np.ones((4, 64), np.float32), Q.F32)})
+    with pytest.raises(ModelError, match="not the file"):
+        P.resolve(str(other), folder)
+    with pytest.raises(ModelError, match="auto, off or a .gguf file"):
+        P.resolve("on", folder)
+
+
+# --------------------------------------------------------------------------- with llama-cpp-python installed
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """The tiny Llama GGUF of test_gguf (a complete model llama.cpp loads) and its converted folder."""
+    pytest.importorskip("llama_cpp")
+    from test_gguf import write_tiny_gguf
+    d = tmp_path_factory.mktemp("llamacpp")
+    write_tiny_gguf(d / "tiny.gguf", tied=True)
+    return d / "tiny.gguf", G.convert_gguf(d / "tiny.gguf", d / "target")
+
+
+def test_llamacpp_f32_greedy_equals_eaglex_vanilla(tiny_target):
+    from eaglex.runtime.engine import open_models
+    from eaglex.runtime.generate import VanillaGenerator
+
+    src, folder = tiny_target
+    engine = open_models(folder, None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 260, n).tolist() for n in (5, 17, 30)]
+    reference = [VanillaGenerator(engine.backend).generate(p, 12).output_ids for p in prompts]
+    cfg = P.resolve("auto", folder, gguf_hint=src)
+    rows = {(r.method, r.device): r for r in P.run_llamacpp_peers(cfg, prompts, 12, 1, engine.spec.eos_ids,
+                                                                   engine.spec.max_context, reference)}
+    assert set(rows) == {("greedy", "cpu F32"), ("greedy", "cpu Q8_0"), ("greedy", "cpu source"),
+                         ("prompt-lookup", "cpu F32")}
+    for r in rows.values():
+        assert r.threads == "llama.cpp 1" and r.requests == 3 and not r.enforced
+        assert 0 < r.tokens <= 36 and r.seconds > 0
+    f32 = rows[("greedy", "cpu F32")]
+    assert f32.identical, f32.note
+    assert f32.note == "3/3 prompts identical to eaglex vanilla"
+    assert "expected to differ" in rows[("greedy", "cpu Q8_0")].note
+    assert sorted(p.name.split(".")[-2] for p in cfg.cache_dir.iterdir()) == ["F32", "Q8_0"]
+
+
+def test_bench_cli_runs_the_llamacpp_rows(tiny_target, tmp_path, monkeypatch, capsys):
+    from eaglex.cli import main
+
+    monkeypatch.setenv(G.CACHE_ENV, str(tmp_path / "cache"))
+    src, _ = tiny_target
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": list(range(3, 3 + n))}) + "\n" for n in (6, 11)))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", str(src), "--prompts", str(prompts), "--max-new-tokens", "8", "--no-peers",
+                 "--threads", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    mine = [r for r in rows if r["engine"] == "llama.cpp"]
+    assert {r["threads"] for r in mine} == {"llama.cpp 1"} and len(mine) == 4
+    assert "prompts identical to eaglex vanilla" in capsys.readouterr().out
