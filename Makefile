@@ -44,6 +44,34 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 	$(BIN)/eaglex engine --model $(MODEL) --backend $(BACKEND) $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) \
 		$(if $(DRAFT_DIR),--draft-dir $(DRAFT_DIR)) $(if $(FORCE),--force)
 
+# The default model, SmolLM2-135M-Instruct, against its peers on the same weights: transformers (greedy, prompt
+# lookup) and llama.cpp (llama-cpp-python built from source here, ~6 min once: the GGUF file itself, F32 and Q8_0
+# copies, prompt lookup), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
+# Engines are built (and tuned by --trees auto) when absent; fp8 from the scales of `eaglex calibrate` in $(SMOL_CAL).
+SMOL          := models/smollm2-135m
+SMOL_GGUF      = $(shell $(BIN)/python -c "from eaglex.presets import preset_target_file as f; print(f('smollm2-135m'))")
+SMOL_QUANT    ?= int8 fp8
+SMOL_CAL      ?= build/smollm2-fp8
+SMOL_PROMPTS  ?= 16
+SMOL_TOKENS   ?= 128
+SMOL_TREES    ?= auto,dynamic:60/8/10
+SMOL_OUT      ?= build/bench-smollm2.json
+LLAMACPP      ?= llama-cpp-python==0.3.36
+smol_engine = [ -d engines/smollm2-135m-$(1) ] || $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
+	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
+	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL))
+bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
+	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS=-DGGML_NATIVE=ON $(BIN)/pip install -q $(LLAMACPP) \
+		|| echo "make bench: llama-cpp-python did not build here: the llama.cpp rows are left out"
+	$(if $(filter fp8,$(SMOL_QUANT)),[ -d engines/smollm2-135m-fp8 ] || [ -d $(SMOL_CAL) ] || \
+		$(BIN)/eaglex calibrate --target $(SMOL_GGUF) --out $(SMOL_CAL) --data builtin-chat)
+	$(foreach e,eagle1 $(SMOL_QUANT),$(call smol_engine,$(e)) || exit 1;) true
+	$(BIN)/eaglex bench --target $(SMOL_GGUF) --draft $(SMOL)/eagle3 --no-torch --engine engines/smollm2-135m \
+		--engine engines/smollm2-135m-eagle1 $(SMOL_QUANT:%=--engine engines/smollm2-135m-%) \
+		--prompts $(SMOL)/prompts.jsonl --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
+		--trees $(SMOL_TREES) --out $(SMOL_OUT)
+
 BENCH_OUT ?= build/bench.json
 # Quantized engines of the embedded default, benched after engines/tiny in the same table (rows ort:tiny-Q) and built
 # when absent: int8 (weight-only) from the target alone, fp8 from the scales of `eaglex calibrate` on the held-out
@@ -63,7 +91,10 @@ BENCH_BIG_ENGINE ?= engines/bench-big
 BENCH_BIG_OUT    ?= build/bench-big.json
 BENCH_BIG_TREES  ?= chain:3,chain:4,chain:5,chain:6,dynamic:8/5/3,auto
 BENCH_BIG_ARGS   ?= --max-new-tokens 64
-bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and a seeded 0.5B target ($(BENCH_BIG_OUT))
+.PHONY: bench-smollm2 bench-tiny bench-big
+bench: bench-smollm2 bench-tiny bench-big  ## speed tables + JSON: SmolLM2 with its peers, the tiny default, a seeded 0.5B target
+
+bench-tiny: $(STAMP)  ## the embedded tiny default with its quantized engines and transformers peers ($(BENCH_OUT))
 	@if [ -d models/tiny/target ] && [ ! -d engines/tiny ]; then $(MAKE) engine; fi
 	@if [ -d models/tiny/target ]; then \
 		$(if $(filter fp8,$(BENCH_TINY_QUANT)),[ -d engines/tiny-fp8 ] || [ -d $(BENCH_TINY_CAL) ] || \
@@ -74,6 +105,8 @@ bench: $(STAMP)  ## speed tables + JSON: the embedded default ($(BENCH_OUT)) and
 			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS) \
 			--out $(BENCH_OUT); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
+
+bench-big: $(STAMP)  ## the seeded memory-bound 0.5B target ($(BENCH_BIG_OUT))
 	$(BIN)/python tools/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \
 		$(BENCH_BIG_ARGS) --out $(BENCH_BIG_OUT)

@@ -163,6 +163,14 @@ def packaged_file(requirement: str, module: str, name: str) -> Path:
                      "dependencies are not needed to read the file)")
 
 
+def preset_target_file(name: str) -> Path:
+    """The file a packaged preset's target comes from (its GGUF), for scripts: `make bench` passes it as --target."""
+    preset = get_preset(name)
+    if not preset.package:
+        raise ModelError(f"preset {name} does not come from a pip package")
+    return packaged_file(*preset.package, preset.target_repo)
+
+
 def preset_folders(preset: Preset, model_dir=None, draft_dir=None) -> tuple[Path, Path]:
     if preset.package and not model_dir:
         from eaglex.models.gguf import resolve_target
