@@ -123,7 +123,7 @@ tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 
 	$(BIN)/python tools/train_tiny.py --out models/tiny --work build/tiny
 
 # --- Triton Inference Server (docs/triton.md): loopback only; the pid file says which server `serve` started ---
-ENGINE        ?= engines/tiny
+ENGINE        ?= engines/$(MODEL)
 TRITON_DIR    ?= build/triton
 TRITON_MODEL  ?= eaglex
 TRITON_INSTANCES ?= 1
@@ -132,6 +132,8 @@ TRITON_HTTP_PORT    ?= 8000
 TRITON_GRPC_PORT    ?= 8001
 TRITON_METRICS_PORT ?= 8002
 TRITON_OPEN_ADMIN   ?=
+# the default chat model's engine is served with its chat template applied to text_input (TRITON_CHAT= turns it off)
+TRITON_CHAT ?= $(if $(filter engines/smollm2-135m,$(ENGINE)),1)
 TRITON_SERVER = $(BIN)/python tools/triton_server.py
 
 .PHONY: serve serve-stop serve-status serve-check-engine
@@ -142,7 +144,7 @@ serve-check-engine:
 serve: serve-check-engine $(STAMP)  ## start the supervised tritonserver on 127.0.0.1 serving $(ENGINE); returns once ready
 	@$(TRITON_SERVER) check --pid-file $(TRITON_DIR)/server.pid
 	$(BIN)/eaglex triton --engine $(ENGINE) --out $(TRITON_DIR)/model_repository --name $(TRITON_MODEL) \
-		--instances $(TRITON_INSTANCES) $(if $(TRITON_MAX_BATCH),--max-batch $(TRITON_MAX_BATCH)) --force
+		--instances $(TRITON_INSTANCES) $(if $(TRITON_MAX_BATCH),--max-batch $(TRITON_MAX_BATCH)) $(if $(TRITON_CHAT),--chat) --force
 	$(TRITON_SERVER) start --repo $(TRITON_DIR)/model_repository \
 		--pid-file $(TRITON_DIR)/server.pid --log $(TRITON_DIR)/server.log --http-port $(TRITON_HTTP_PORT) \
 		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT) $(if $(TRITON_OPEN_ADMIN),--open-admin-api)

@@ -44,7 +44,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
     if bad:
         print(f"eaglex: error: speculative output differs from vanilla on prompts {bad}", file=sys.stderr)
         return 1
-    demo(engine, prompts[0], demo_tokens, texts[0])
+    demo(engine, prompts[preset.demo_prompt], demo_tokens, texts[preset.demo_prompt])
     return 0
 
 
