@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ from eaglex.models.errors import ModelError
 from eaglex.models.gguf import MARKER, default_cache_dir, file_sha256, inspect_gguf, is_gguf_path
 
 INSTALL = "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36"
+NO_AMX = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON "
+          "-DGGML_AVX512_VNNI=ON' pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
+# Loads a file and decodes a batch and one token: what the rows do, in a child process (see _crash)
+PROBE = ("import sys; from llama_cpp import Llama; n = int(sys.argv[2]); "
+         "m = Llama(sys.argv[1], n_ctx=64, n_threads=n, n_threads_batch=n, verbose=False); m.eval([1, 2, 3, 4]); "
+         "m.eval([5])")
 
 
 @dataclass(frozen=True)
@@ -141,9 +148,28 @@ def _generate(llm, prompt: list[int], limit: int, eos: set[int]) -> tuple[list[i
     return out, time.perf_counter() - t
 
 
+def _crash(path: Path, threads: int) -> str | None:
+    """How llama.cpp died decoding with `path` in a child process, or None when it did not. Some builds crash on
+    quantized weights (ggml's AMX kernels on Intel CPUs with AMX, compiled in by -DGGML_NATIVE=ON: an invalid tile
+    config, llama.cpp PR #26954); probing first keeps such a crash from taking the whole benchmark down."""
+    try:
+        r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(threads)], capture_output=True, text=True,
+                           timeout=600)
+    except subprocess.TimeoutExpired:
+        return "no answer in 600 s"
+    if r.returncode == 0:
+        return None
+    if r.returncode < 0:
+        return f"killed by signal {-r.returncode}"
+    lines = r.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {r.returncode}"
+
+
 def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_tokens: int, threads: int,
-                       eos_ids, max_context: int, reference: list[list[int]] | None = None) -> list[Row]:
-    """The llama.cpp rows (see the module docstring) on `threads` cores; outputs compared with `reference`."""
+                       eos_ids, max_context: int, reference: list[list[int]] | None = None,
+                       log=lambda line: print(line, file=sys.stderr)) -> list[Row]:
+    """The llama.cpp rows (see the module docstring) on `threads` cores; outputs compared with `reference`. A file
+    llama.cpp cannot decode here (see _crash) loses its rows, with one `log` line."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from eaglex.models.gguf_derive import derived_gguf
@@ -152,9 +178,17 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
     own = _encoding(cfg.source)
     files = {e: derived_gguf(cfg.source, e, cfg.cache_dir, sha) for e in cfg.encodings if e != own}
     files[own] = cfg.source
+    for e, path in list(files.items()):
+        why = _crash(path, threads)
+        if why is not None:
+            log(f"llama.cpp peers: {e} rows skipped (llama.cpp died decoding {path.name}: {why}; if this CPU has "
+                f"AMX, rebuild without it: {NO_AMX})")
+            del files[e]
+    if not files:
+        return []
     n_ctx = max(len(p) for p in prompts) + max_new_tokens + cfg.lookup_tokens + 1
     runs = {("greedy", e): _load(path, n_ctx, threads) for e, path in files.items()}
-    base = ("greedy", "F32") if "F32" in files else ("greedy", own)
+    base = ("greedy", "F32" if "F32" in files else next(iter(files)))
     lookup = LlamaPromptLookupDecoding(max_ngram_size=cfg.lookup_ngram, num_pred_tokens=cfg.lookup_tokens)
     runs[("prompt-lookup", base[1])] = _load(files[base[1]], n_ctx, threads, draft=lookup)
     eos = set(eos_ids)

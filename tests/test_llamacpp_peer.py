@@ -153,6 +153,15 @@ def test_option_resolves_or_skips_with_one_line(odd, tmp_path, monkeypatch):
         P.resolve("on", folder)
 
 
+def test_the_probe_reports_how_the_child_died(monkeypatch, tmp_path):
+    monkeypatch.setattr(P, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert P._crash(tmp_path / "x.gguf", 1) == "killed by signal 11"
+    monkeypatch.setattr(P, "PROBE", "raise SystemExit('cannot load ' + __import__('sys').argv[1])")
+    assert P._crash(tmp_path / "x.gguf", 1) == f"cannot load {tmp_path / 'x.gguf'}"
+    monkeypatch.setattr(P, "PROBE", "pass")
+    assert P._crash(tmp_path / "x.gguf", 1) is None
+
+
 # --------------------------------------------------------------------------- with llama-cpp-python installed
 
 @pytest.fixture(scope="module")
@@ -203,3 +212,13 @@ def test_bench_cli_runs_the_llamacpp_rows(tiny_target, tmp_path, monkeypatch, ca
     mine = [r for r in rows if r["engine"] == "llama.cpp"]
     assert {r["threads"] for r in mine} == {"llama.cpp 1"} and len(mine) == 4
     assert "prompts identical to eaglex vanilla" in capsys.readouterr().out
+
+
+def test_a_file_llama_cpp_dies_on_loses_its_rows_only(tiny_target, monkeypatch):
+    src, folder = tiny_target
+    monkeypatch.setattr(P, "_crash", lambda path, threads: "killed by signal 11" if ".Q8_0." in path.name else None)
+    lines = []
+    rows = P.run_llamacpp_peers(P.resolve("auto", folder, gguf_hint=src), [[5, 6, 7]], 4, 1, (2,), 256, None,
+                                log=lines.append)
+    assert sorted(r.device for r in rows) == ["cpu F32", "cpu F32", "cpu source"]
+    assert len(lines) == 1 and "Q8_0 rows skipped" in lines[0] and "signal 11" in lines[0]
