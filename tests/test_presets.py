@@ -16,7 +16,7 @@ def test_every_preset_names_its_hardware():
 
 
 def test_unknown_preset():
-    with pytest.raises(ModelError, match="unknown MODEL=nope; presets: tiny"):
+    with pytest.raises(ModelError, match="unknown MODEL=nope; presets: smollm2-135m, tiny"):
         get_preset("nope")
 
 
