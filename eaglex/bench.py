@@ -12,7 +12,8 @@ on one thread; torch rows and transformers peers: torch on the cores); every row
 Peers: transformers (greedy, prompt lookup, assisted) on the target folder, and llama.cpp on the GGUF file the
 target came from (eaglex/llamacpp_peer.py). Every peer's tokens are compared with eaglex vanilla; a mismatch fails
 the run only for rows that must be identical (not llama.cpp's: other kernels and quantized weights, reported in a
-note under the table).
+note under the table). The llama.cpp rows run interleaved with the first engine's vanilla, their e2e speedup is
+against it.
 
 Devices: every row states where it ran (`device`, with the dtype). On a GPU the per-cycle split comes from CUDA
 events around each forward (runtime/generate.py), so "other" is the time the GPU waited for the host, and the cost
@@ -384,9 +385,15 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
     if llamacpp is not None:
         from eaglex.llamacpp_peer import run_llamacpp_peers
         from eaglex.runtime.ort_session import physical_cores
-        spec = engines[0][1].spec
-        got = run_llamacpp_peers(llamacpp, prompts, max_new_tokens, threads or physical_cores(), spec.eos_ids,
-                                 spec.max_context, reference)
+        _, first = engines[0]
+        set_threads(threads, onnxruntime=first.layout == "engine")     # the first engine's policy, for its baseline
+        vanilla = VanillaGenerator(first.backend)
+
+        def baseline(p, n):     # eaglex vanilla interleaved with the llama.cpp rows: the same load for both
+            r = vanilla.generate(p, n)
+            return r.output_ids, r.seconds
+        got = run_llamacpp_peers(llamacpp, prompts, max_new_tokens, threads or physical_cores(), first.spec.eos_ids,
+                                 first.spec.max_context, reference, baseline=baseline)
         rows += [r.as_dict() for r in got]
     hf = next((r for r in rows if r["method"] == "hf greedy"), None)
     for r in rows:

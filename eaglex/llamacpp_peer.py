@@ -5,8 +5,9 @@ Rows: greedy decoding with that file as it is (e.g. Q4_1), with F32 and Q8_0 cop
 the F32 copy. Measured like the transformers peers: the same prompt token ids (fed as ids, never re-tokenized), the
 same max_new_tokens and stop rules (any EOS id of the target, the context limit), greedy sampling, wall time per
 prompt including the prefill (every prompt starts from an empty KV cache), all rows interleaved per prompt in a seeded
-order, on the cores of the eaglex rows (n_threads and n_threads_batch). A row's speedup is against the llama.cpp F32
-greedy run of the same prompt.
+order, on the cores of the eaglex rows (n_threads and n_threads_batch). With a `baseline` (eaglex vanilla, which the
+bench passes) it runs in that same shuffled order, and a row's speedup is against it: llama.cpp and eaglex then see
+the same drifting load of a shared machine; without one, against llama.cpp's F32 greedy run of the same prompt.
 
 Outputs are compared with eaglex vanilla. The comparison is reported, not enforced: llama.cpp's kernels round
 differently from eaglex's, and Q8_0/Q4_x are other weights, so their tokens are expected to drift apart.
@@ -167,9 +168,10 @@ def _crash(path: Path, threads: int) -> str | None:
 
 def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_tokens: int, threads: int,
                        eos_ids, max_context: int, reference: list[list[int]] | None = None,
-                       log=lambda line: print(line, file=sys.stderr)) -> list[Row]:
-    """The llama.cpp rows (see the module docstring) on `threads` cores; outputs compared with `reference`. A file
-    llama.cpp cannot decode here (see _crash) loses its rows, with one `log` line."""
+                       log=lambda line: print(line, file=sys.stderr), baseline=None) -> list[Row]:
+    """The llama.cpp rows (see the module docstring) on `threads` cores; outputs compared with `reference`.
+    `baseline(prompt, max_new_tokens)` -> (token ids, seconds): eaglex vanilla, run alongside (see the module
+    docstring). A file llama.cpp cannot decode here (see _crash) loses its rows, with one `log` line."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from eaglex.models.gguf_derive import derived_gguf
@@ -195,16 +197,19 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
     rows = {k: Row("llama.cpp", k[0], "-" if k[0] == "greedy" else f"lookup:{cfg.lookup_tokens}",
                    threads=f"llama.cpp {threads}", device=f"cpu {k[1]}", enforced=False) for k in runs}
     same = {k: 0 for k in runs}
-    for llm in runs.values():
-        _generate(llm, prompts[0], 8, eos)                  # warm-up: allocations, page-in of the weights
+    calls = {k: (lambda p, n, llm=llm: _generate(llm, p, n, eos)) for k, llm in runs.items()}
+    if baseline is not None:
+        calls["eaglex"], base = baseline, "eaglex"
+    for call in calls.values():
+        call(prompts[0], 8)                                 # warm-up: allocations, page-in of the weights
     order = random.Random(0)
     for i, p in enumerate(prompts):
         limit = min(max_new_tokens, max_context - len(p))
-        keys = list(runs)
+        keys = list(calls)
         order.shuffle(keys)                                 # no row always runs first or last
-        results = {k: _generate(runs[k], p, limit, eos) for k in keys}
-        for k, (ids, sec) in results.items():
-            r = rows[k]
+        results = {k: calls[k](p, limit) for k in keys}
+        for k, r in rows.items():
+            ids, sec = results[k]
             r.requests += 1
             r.tokens += len(ids)
             r.seconds += sec
@@ -216,4 +221,7 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
         for k, r in rows.items():
             why = "" if k[1] == "F32" else f" ({k[1]} weights: expected to differ)"
             r.note = f"{same[k]}/{len(prompts)} prompts identical to eaglex vanilla{why}"
+    for r in rows.values():
+        vs = "eaglex vanilla, run alongside" if baseline is not None else "llama.cpp greedy " + base[1]
+        r.note = "; ".join(filter(None, (r.note, f"e2e: vs {vs}")))
     return list(rows.values())

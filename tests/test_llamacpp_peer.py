@@ -193,7 +193,7 @@ def test_llamacpp_f32_greedy_equals_eaglex_vanilla(tiny_target):
         assert 0 < r.tokens <= 36 and r.seconds > 0
     f32 = rows[("greedy", "cpu F32")]
     assert f32.identical, f32.note
-    assert f32.note == "3/3 prompts identical to eaglex vanilla"
+    assert f32.note == "3/3 prompts identical to eaglex vanilla; e2e: vs llama.cpp greedy F32"
     assert "expected to differ" in rows[("greedy", "cpu Q8_0")].note
     assert sorted(p.name.split(".")[-2] for p in cfg.cache_dir.iterdir()) == ["F32", "Q8_0"]
 
@@ -211,6 +211,7 @@ def test_bench_cli_runs_the_llamacpp_rows(tiny_target, tmp_path, monkeypatch, ca
     rows = json.loads(out.read_text())["rows"]
     mine = [r for r in rows if r["engine"] == "llama.cpp"]
     assert {r["threads"] for r in mine} == {"llama.cpp 1"} and len(mine) == 4
+    assert all(r["note"].endswith("e2e: vs eaglex vanilla, run alongside") and r["speedup"] > 0 for r in mine)
     assert "prompts identical to eaglex vanilla" in capsys.readouterr().out
 
 
