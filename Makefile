@@ -46,7 +46,7 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 
 # The default model, SmolLM2-135M-Instruct, against its peers on the same weights: transformers (greedy, prompt
 # lookup) and llama.cpp (llama-cpp-python built from source here, ~6 min once: the GGUF file itself, F32 and Q8_0
-# copies, prompt lookup), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
+# copies, prompt lookup; built without -march=native: ggml's AMX kernels crash on quantized models here), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
 # Engines are built (and tuned by --trees auto) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs at ~5 tokens/s, so it is out by default.
 SMOL          := models/smollm2-135m
@@ -63,7 +63,7 @@ smol_engine = [ -d engines/smollm2-135m-$(1) ] || $(BIN)/eaglex build --target $
 	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL))
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS=-DGGML_NATIVE=ON $(BIN)/pip install -q $(LLAMACPP) \
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" $(BIN)/pip install -q $(LLAMACPP) \
 		|| echo "make bench: llama-cpp-python did not build here: the llama.cpp rows are left out"
 	$(if $(filter fp8,$(SMOL_QUANT)),[ -d engines/smollm2-135m-fp8 ] || [ -d $(SMOL_CAL) ] || \
 		$(BIN)/eaglex calibrate --target $(SMOL_GGUF) --out $(SMOL_CAL) --data builtin-chat)
