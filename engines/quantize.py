@@ -6,8 +6,10 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
 - fp8:  FP8 Q/DQ from the scales of a calibrated ModelOpt checkpoint (`eaglex calibrate`). The KV cache stays in
         the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
         attention; the TensorRT-LLM bundle is where they are used).
-- int8: weight-only MatMulNBits (8 bits, blocks of 32, accuracy level 1: float32 compute, row-invariant); needs no
-  calibration.
+- int8: MatMulNBits (8-bit weights in blocks of 32, accuracy level 4: int8 activations, ONNX Runtime's fast CPU
+  kernel); needs no calibration. Its outputs stay exact under the rules the manifest's `exactness` records
+  (EXACTNESS below, followed by runtime/ort_backend.py): target calls of two rows or more, a KV cache without
+  holes, chain trees, one request at a time.
 
 The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
 
@@ -35,10 +37,14 @@ QUANT_METHODS = ("fp8", "int8")
 FORMATS = {
     "fp8": "ONNX QuantizeLinear/DequantizeLinear float8e4m3fn (opset 23): FP8 weights (DQ), static per-tensor "
            "activation Q/DQ; lm_head and embeddings float",
-    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=1 (weight-only)",
+    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)",
 }
 # Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
 EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": ()}
+# How the runtime keeps an int8 engine's speculative output bit-identical to its vanilla output (export/quantize.py
+# says why): int8 activations amplify the float rounding differences between a one-row and a many-row Attention
+# call, between keys at different indices, and between rows padded together in a batch.
+EXACTNESS = {"int8": {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}}
 # A ModelOpt-exported EAGLE-3 draft names its layer layers.0.*, the engine's graph midlayer.*.
 DRAFT_PREFIXES = {"layers.0.": "midlayer."}
 
@@ -91,7 +97,7 @@ def _scales(quant, calibrated_dir, calibrated_draft_dir, draft) -> tuple[dict, d
     """{"target": scales, "draft": scales} for fp8 (empty for int8) and the manifest's record of their source."""
     if quant != "fp8":
         if calibrated_dir is not None:
-            raise ModelError("--calibrated is for --quant fp8; int8 weight-only quantization needs no calibration")
+            raise ModelError("--calibrated is for --quant fp8; int8 quantization needs no calibration")
         return {}, {"calibration": None}
     from eaglex.calibration.checkpoint import quant_config, read_fp8_scales
 
@@ -145,6 +151,11 @@ def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: 
                     "bytes_before": sum(r.bytes_before for r in reports.values()),
                     "bytes_after": sum(r.bytes_after for r in reports.values()),
                     "parity": parity, **source}
+    if quant in EXACTNESS and "target" in reports:
+        out["exactness"] = EXACTNESS[quant]
+    out["tree"] = None                      # tree and schedule tuned on the float engine: this one runs otherwise
+    for key in ("tuning", "batch_schedule"):
+        out.pop(key, None)
     return out
 
 

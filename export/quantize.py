@@ -19,14 +19,15 @@ fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM: eaglex's sessi
 constants at load (runtime/ort_session.py), so on CPU the graph runs at about fp32 speed with the same FP8 numbers
 (unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: 40-50x slower).
 
-int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=1
-(float32 compute on the int8 weights). Not level 4 (int8 activations), although that is ONNX Runtime's fast CPU path
-(measured: 0.04 ms against 0.12 ms fp32 for 1x2048x2048): its kernel for one row differs from its kernel for
-several, so a token computed alone (vanilla step) and the same token in a tree verification got logits up to 0.1
-apart (measured on models/tiny: rows bit-identical for 2..36 rows per call, not for 1), and `eaglex check` failed
-8/12. Level 1 rows agree to float32 rounding whatever the call, like a float32 engine; on CPU it is slower than
-float32 (the weights are dequantized on the fly) and buys memory, not speed. A lossless fast path needs every
-target call to carry two rows or more (future work).
+int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=4
+(int8 activations, quantized per row and block inside the kernel): ONNX Runtime's fast CPU path, 3-10x faster
+than a float32 MatMul for the few rows of a decode step (level 1, float32 compute, dequantizes the weights on
+every call and runs 10x slower than float32). Its rows are independent of each other and of the row count, but
+int8 activations turn the float32 rounding noise of other kernels into visible logit changes: a one-row Attention
+call rounds differently from a many-row one, and so does a key whose index in the past moved. Exactness then needs
+every target call to carry two rows or more, the KV cache without holes, and chains (a tree node's ancestors sit
+at other indices than in a vanilla decode); engines/quantize.py records these rules as the manifest's `exactness`
+and runtime/ort_backend.py follows them.
 
 Both keep external data right: the input's `.onnx.data` is read with the graph, and the output goes to
 `<out>.data` when its weights exceed the threshold the exporter uses, else into the file itself. Graph metadata
@@ -50,7 +51,7 @@ from .onnx_export import EXTERNAL_DATA_ABOVE
 
 FP8_MAX = 448.0                      # largest finite float8e4m3fn
 INT8_BLOCK = 32
-INT8_ACCURACY_LEVEL = 1   # see the module docstring: level 4 is not row-invariant
+INT8_ACCURACY_LEVEL = 4   # int8 activations: the fast kernel; exactness rules in the module docstring
 # Relative L2 distance between a checkpoint's dequantized FP8 weight and the graph's float weight above which the
 # checkpoint is taken to come from another model (FP8 rounding alone gives about 2-3 %).
 FP8_WEIGHT_MISMATCH = 0.1

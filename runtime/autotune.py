@@ -13,8 +13,8 @@ from .generate import SpeculativeGenerator, VanillaGenerator
 from .types import TreeConfig
 
 CANDIDATES = tuple(TreeConfig.parse(t) for t in (
-    "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "dynamic:6/4/2", "dynamic:8/5/3", "dynamic:12/6/4",
-    "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10"))
+    "chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "dynamic:6/4/2", "dynamic:8/5/3",
+    "dynamic:12/6/4", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10"))
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class TuneRow:
 def autotune(backend, prompts: list[list[int]], max_new_tokens: int = 48,
              candidates: tuple[TreeConfig, ...] = CANDIDATES) -> tuple[TreeConfig, list[TuneRow]]:
     """Fastest candidate by measured tokens/s (identical outputs only); rows[0] is vanilla (tree None)."""
+    if getattr(backend, "exact_trees", None) == "chain":        # an int8 engine: only chains stay exact
+        candidates = tuple(t for t in candidates if t.kind == "chain")
     vanilla = VanillaGenerator(backend)
     gens = [SpeculativeGenerator(backend, t) for t in candidates]
     vanilla.generate(prompts[0], 4)

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from eaglex.models.errors import ModelError
+
 from .backend import Backend
 from .device import to_device
 from .drafter import Drafter
@@ -223,6 +225,9 @@ class SpeculativeGenerator(_Base):
         super().__init__(backend, sampling)
         if backend.draft_kind is None:
             raise ValueError("speculative decoding needs a draft head")
+        if getattr(backend, "exact_trees", None) == "chain" and tree.kind != "chain":
+            raise ModelError(f"this engine's output stays identical to vanilla decoding with chain trees only "
+                             f"(int8 activations), not {tree}: use --tree chain:N")
         self.tree_cfg = tree
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 128,

@@ -9,6 +9,11 @@ On a GPU provider (`providers`, see ort_session.choose_providers) the KV values 
 device memory and stay there; logits, features and the draft's top-k come back to the host, where the loop reads
 them (the tensors this backend returns are always on the CPU: `device`).
 
+An engine may carry `exactness` rules in its manifest (int8 engines: engines/quantize.py): `min_rows` pads every
+target call to that many rows (extra rows repeat the last token one position further and are never committed),
+`kv_holes: false` compacts the target cache instead of leaving rejected rows as holes, `trees` names the only tree
+kind whose output stays exact (`exact_trees`, checked by the generator), `batching: false` keeps requests apart.
+
 Loading validates the engine: manifest format version, every file's size (and sha256 up to 2 GiB), each graph's
 engine id, and that the graphs' shapes fit the manifest and each other. Any failure is one ModelError line.
 """
@@ -34,6 +39,21 @@ def _ov(a: np.ndarray) -> ort.OrtValue:
 
 def _torch(v: ort.OrtValue) -> torch.Tensor:
     return torch.from_numpy(v.numpy())              # zero copy; the array keeps the OrtValue alive
+
+
+def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
+    """`extra` rows after the caller's: the last token again at the next positions. The caller's rows never see
+    them (they come last: causal); they see everything. The loop never commits them (its indices stop before)."""
+    B, n = input_ids.shape
+    ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, extra)], 1)
+    pos = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1)], 1)
+    if mask is not None:
+        full = torch.ones(B, n + extra, pending + n + extra, dtype=torch.bool)
+        full[:, :n, :pending + n] = mask
+        full[:, :n, pending + n:] = False
+        full[:, n:, pending + n:] = torch.tril(full[:, n:, pending + n:])
+        mask = full
+    return ids, pos, mask
 
 
 class OrtBackend(CachedBackend):
@@ -68,7 +88,12 @@ class OrtBackend(CachedBackend):
         self._check_graphs()
         s = self.spec
         self.features = m["target"]["features"] != "none"
-        self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.providers)
+        rules = m.get("exactness") or {}
+        self.min_rows = int(rules.get("min_rows", 1))
+        self.exact_trees = rules.get("trees")            # None: any tree; "chain": chains only
+        self.batch_exact = bool(rules.get("batching", True))
+        self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.providers,
+                                 holes=bool(rules.get("kv_holes", True)))
         self.dcache = None
         if draft:
             d = draft["spec"]
@@ -107,12 +132,12 @@ class OrtBackend(CachedBackend):
 
     # ------------------------------------------------------------------------------------------ Backend protocol
 
-    def _common(self, io, cache: OrtKVCache, input_ids, position_ids, mask, last_only, keep: list):
+    def _common(self, io, cache: OrtKVCache, input_ids, position_ids, mask, rows, keep: list):
         """Binds ids, positions, the full mask, logits rows and the past; `keep` holds the numpy buffers alive."""
         B, N = input_ids.shape
         cache.reserve(N)
         attn = cache.attention_mask(mask, B, N)                                    # [B,1,N,T] bool
-        rows = np.array([N - 1] if last_only else range(N), dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
         feeds = {"input_ids": input_ids.numpy().astype(np.int64, copy=False),
                  "position_ids": position_ids.numpy().astype(np.int64, copy=False),
                  "attn_mask": attn, "logits_rows": rows}
@@ -125,17 +150,21 @@ class OrtBackend(CachedBackend):
         return N
 
     def target_forward(self, input_ids, position_ids, mask, last_only=False):
+        n = input_ids.shape[1]                   # the caller's rows; padding rows (min_rows) follow them
+        if n < self.min_rows:
+            input_ids, position_ids, mask = _pad_rows(input_ids, position_ids, mask, self.tcache.pending,
+                                                      self.min_rows - n)
         io, keep = self.target_sess.io_binding(), []
-        N = self._common(io, self.tcache, input_ids, position_ids, mask, last_only, keep)
+        N = self._common(io, self.tcache, input_ids, position_ids, mask, [n - 1] if last_only else range(n), keep)
         for name in self._target_out:
             io.bind_output(name, *(self.kv_device if name.startswith("present_") else ("cpu", 0)))
         self.target_sess.run_with_iobinding(io)
         out = list(io.get_outputs())
         logits = _torch(out[0])
         if self.features:
-            feats, presents = _torch(out[1]), out[2:]
+            feats, presents = _torch(out[1])[:, :n], out[2:]
         else:
-            feats, presents = torch.empty(input_ids.shape[0], N, 0), out[1:]
+            feats, presents = torch.empty(input_ids.shape[0], n, 0), out[1:]
         self.tcache.appended(presents, N)
         return logits, feats
 
@@ -152,7 +181,8 @@ class OrtBackend(CachedBackend):
             self.fc_sess.run_with_iobinding(fio)
             h_in = fio.get_outputs()[0]
         io, keep = self.draft_sess.io_binding(), [h_in]
-        N = self._common(io, self.dcache, input_ids, position_ids, mask, last_only, keep)
+        N = input_ids.shape[1]
+        self._common(io, self.dcache, input_ids, position_ids, mask, [N - 1] if last_only else range(N), keep)
         io.bind_ortvalue_input("hidden", h_in)
         k = _ov(np.array(top_k, dtype=np.int64))
         keep.append(k)

@@ -264,12 +264,12 @@ def _fake_quant_reference(target_dir, checkpoint, ids) -> np.ndarray:
 def test_int8_target_graph_runs_close_to_fp32(float_engine, models, tmp_path):
     L = _sizes(models["llama"])[0]
     rep = q.int8_weight_only(float_engine / "target.onnx", tmp_path / "target.onnx")
-    assert len(rep.quantized) == 7 * L + 1 and rep.skipped == ()     # lm_head included: it is weight-only
+    assert len(rep.quantized) == 7 * L + 1 and rep.skipped == ()     # lm_head included (no calibrated scale needed)
     m = onnx.load(str(tmp_path / "target.onnx"))
     nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 7 * L + 1
     attrs = {a.name: a.i for a in nbits[0].attribute}
-    assert attrs["bits"] == 8 and attrs["block_size"] == 32 and attrs["accuracy_level"] == 1
+    assert attrs["bits"] == 8 and attrs["block_size"] == 32 and attrs["accuracy_level"] == 4
     assert {p.key for p in m.metadata_props} >= {"eaglex.engine_id", "eaglex.graph"}
     parity = target_parity(float_engine, tmp_path, read_manifest(float_engine))
     assert parity["logits_rel_error"] < 0.1 and parity["top1_agreement"] >= 0.95
@@ -283,9 +283,9 @@ def _prompt_file(tmp_path, prompts, n=4):
     return f
 
 
-def _check_engine(engine, tmp_path, prompts, capsys):
+def _check_engine(engine, tmp_path, prompts, capsys, *options):
     rc = main(["check", "--engine", str(engine), "--prompts", str(_prompt_file(tmp_path, prompts)),
-               "--max-new-tokens", "24"])
+               "--max-new-tokens", "24", *options])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "4/4 identical to vanilla" in out
@@ -300,10 +300,37 @@ def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     assert m["quant"]["bytes_after"] < m["quant"]["bytes_before"]
     assert "MatMulNBits" not in m["graphs"]["draft"]["ops"]        # the head stays float unless asked
     assert not list(tmp_path.glob(".int8.*"))                     # no leftovers of the atomic swap
-    OrtBackend(e)                                                   # hashes match the new manifest
-    _check_engine(e, tmp_path, prompts, capsys)
+    assert m["exactness"] == {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
+    assert m["tree"] is None                # the float engine's tuned tree does not carry over
+    b = OrtBackend(e)                                               # hashes match the new manifest
+    assert (b.min_rows, b.tcache.holes, b.exact_trees, b.batch_exact) == (2, False, "chain", False)
+    for tree in ("chain:1", "chain:3"):
+        _check_engine(e, tmp_path, prompts, capsys, "--tree", tree)
+    assert main(["check", "--engine", str(e), "--prompts", str(_prompt_file(tmp_path, prompts)),
+                 "--tree", "dynamic:8/4/2"]) == 2
+    assert "chain trees only" in capsys.readouterr().err
     with pytest.raises(ModelError, match="already quantized"):
         quantize_engine(e, "int8", progress=False)
+
+
+def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, tmp_path):
+    """An int8 engine's backend turns a one-row target call into two (the padding row never reaches the caller or
+    the committed cache), and a partial commit compacts instead of leaving holes, so every token sits at the same
+    index of the KV cache whether vanilla decoding or a chain verification computed it."""
+    e = _copy_engine(float_engine, tmp_path / "int8")
+    quantize_engine(e, "int8", progress=False)
+    b = OrtBackend(e)
+    b.reset(64)
+    ids = torch.arange(10, 18)[None]
+    b.target_forward(ids, torch.arange(8)[None], None)
+    b.target_commit(torch.arange(8))
+    logits, feats = b.target_forward(torch.tensor([[5]]), torch.tensor([[8]]), None)
+    assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 2
+    b.target_commit(torch.arange(1))
+    assert b.tcache.rows == b.tcache.length == 9 and b.tcache.valid.all()
+    b.target_forward(torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
+    b.target_commit(torch.tensor([0, 1]))                          # the last row rejected
+    assert b.tcache.rows == b.tcache.length == 11 and b.tcache.valid.all()
 
 
 @needs_modelopt
@@ -342,16 +369,16 @@ def _target_steps(sess, spec, ids, prefill: int, chunk: int):
     return np.concatenate(logits), past
 
 
-def _assert_rows_do_not_depend_on_the_call(engine, m: dict, prompts, atol: float) -> None:
-    """The target's logits and KV rows of 32 tokens fed one per call == fed 4 or 16 per call (after a 24-token
-    prefill), to within `atol` (0: bit for bit)."""
+def _assert_rows_do_not_depend_on_the_call(engine, m: dict, prompts, atol: float, chunks=(1, 4, 16)) -> None:
+    """The target's logits and KV rows of 32 tokens fed chunks[0] per call == fed chunks[1:] per call (after a
+    24-token prefill), to within `atol` (0: bit for bit)."""
     from eaglex.runtime.ort_session import open_session
 
     sess = open_session(engine / m["graphs"]["target"]["file"], m["engine_id"], "target")
     spec = m["target"]["spec"]
     ids = np.array([[t for p in prompts[:6] for t in p][:56]], dtype=np.int64)
-    alone, kv_alone = _target_steps(sess, spec, ids, 24, 1)
-    for chunk in (4, 16):
+    alone, kv_alone = _target_steps(sess, spec, ids, 24, chunks[0])
+    for chunk in chunks[1:]:
         together, kv_together = _target_steps(sess, spec, ids, 24, chunk)
         np.testing.assert_allclose(alone, together, rtol=0, atol=atol, err_msg=f"logits, {chunk} tokens per call")
         for a, b in zip(kv_alone, kv_together):
@@ -371,11 +398,12 @@ def test_fp8_target_rows_do_not_depend_on_the_call(float_engine, calibrated, tmp
 
 
 def test_int8_target_rows_do_not_depend_on_the_call(float_engine, tmp_path, prompts):
-    """Regression (models/tiny int8 engine at accuracy level 4: `eaglex check` 8/12, logits of a token computed
-    alone up to 0.1 away from the same token among others, whose rows agreed bit for bit for 2..36 per call). At
-    level 1 a one-token step and a tree verification agree to float32 rounding, as in a float32 engine."""
+    """Regression (models/tiny int8 engine, accuracy level 4: `eaglex check` 8/12, logits of a token computed
+    alone up to 0.1 away from the same token among others). Rows of calls of two tokens or more agree bit for bit,
+    which is why the runtime pads one-row calls of such an engine (its manifest's `exactness.min_rows`)."""
     e = _copy_engine(float_engine, tmp_path / "int8")
-    _assert_rows_do_not_depend_on_the_call(e, quantize_engine(e, "int8", progress=False), prompts, atol=1e-4)
+    _assert_rows_do_not_depend_on_the_call(e, quantize_engine(e, "int8", progress=False), prompts, atol=0.0,
+                                           chunks=(2, 4, 16))
 
 
 def test_quantize_engine_errors(float_engine, tmp_path, models):
@@ -383,7 +411,7 @@ def test_quantize_engine_errors(float_engine, tmp_path, models):
     before = sorted(p.name for p in e.iterdir())
     with pytest.raises(ModelError, match="needs the activation scales"):
         quantize_engine(e, "fp8", progress=False)
-    with pytest.raises(ModelError, match="int8 weight-only quantization needs no calibration"):
+    with pytest.raises(ModelError, match="int8 quantization needs no calibration"):
         quantize_engine(e, "int8", tmp_path, progress=False)
     with pytest.raises(ModelError, match="not an FP8 checkpoint"):
         quantize_engine(e, "fp8", models["llama"], progress=False)
