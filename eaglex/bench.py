@@ -338,13 +338,21 @@ def print_table(rows: list[dict]) -> None:
             print(f"  {r['engine']} {r['method']} ({r['device']}): {r['note']}")
 
 
+def _tuned_label(engine, tree: TreeConfig) -> str:
+    """What a tree row says about tuning: the engine's tuned tree, or the head's best tree where tuning measured
+    vanilla faster (the engine then runs vanilla by default: its vanilla row is what it serves)."""
+    if engine.kept_tree is not None and tree == engine.kept_tree:
+        return " (tuned: vanilla faster)"
+    return " (tuned)" if tree == engine.tree and engine.layout == "engine" else ""
+
+
 def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
         device: str = "cpu", dtype: str = "float32", llamacpp=None) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
-    every tree (None = the engine's own tree, tuned once if it never was), interleaved; then the transformers peers
-    on `target_dir`, and the llama.cpp peers with `llamacpp` (a llamacpp_peer.LlamaCppConfig). Prints the table,
-    writes the JSON to `out`, returns the rows."""
+    every tree (None = the engine's own tree, tuned once if it never was; where tuning chose vanilla, the head's
+    kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, and the llama.cpp peers with
+    `llamacpp` (a llamacpp_peer.LlamaCppConfig). Prints the table, writes the JSON to `out`, returns the rows."""
     from eaglex.engines.tune import tune_engine
 
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -356,10 +364,10 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         for t in (trees if engine.draft_kind else []):
             if t is None:
                 tune_engine(engine, prompts)
-                t = engine.tree
-            if t not in own:
+                t = engine.speculative().tree    # the head's tuned tree, also where tuning chose vanilla
+            if t is not None and t not in own:
                 own.append(t)
-                labels.append(str(t) + (" (tuned)" if t == engine.tree and engine.layout == "engine" else ""))
+                labels.append(str(t) + _tuned_label(engine, t))
         sizes, draft_sizes = sizes_for(own)
         sampler = CostSampler(engine.backend, sizes=sizes, draft_sizes=draft_sizes)
         for i in range(3):                                   # a warm-up round, then two before the runs

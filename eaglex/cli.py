@@ -297,10 +297,13 @@ def cmd_generate(args) -> int:
     if args.out:
         args.out.write_text("".join(json.dumps(r.to_json()) + "\n" for r in results))
         return 0
+    kept = getattr(engine, "kept_tree", None)          # a TensorRT-LLM bundle has none
+    how = engine.method + (f" {engine.tree}" if engine.tree is not None else
+                           f", tuned: faster than {kept}" if kept is not None else "")
     for r in results:
         print(tok.decode(r.output_ids) if tok is not None else " ".join(map(str, r.output_ids)))
         tps = len(r.output_ids) / r.seconds if r.seconds else 0.0
-        print(f"[{engine.method}{'' if engine.tree is None else ' ' + str(engine.tree)}] {len(r.output_ids)} "
+        print(f"[{how}] {len(r.output_ids)} "
               f"tokens in {r.seconds:.3f} s ({tps:.1f} tokens/s), tau {r.tau:.2f} over {r.cycles} cycles, "
               f"stop: {r.stop_reason}", file=sys.stderr)
     return 0
@@ -310,10 +313,17 @@ def cmd_check(args) -> int:
     from eaglex.runtime.equivalence import check_distribution, check_greedy, format_distribution, format_greedy
 
     engine = open_from_args(args)
-    if engine.method == "vanilla":
+    kept = getattr(engine, "kept_tree", None)          # set where tuning chose vanilla; a bundle has none
+    if engine.method == "vanilla" and kept is None:
         raise ModelError("check compares speculative with vanilla decoding: give a draft head")
     prompts, _ = prompts_from_args(args, engine)
     resolve_auto(args, engine, prompts)
+    if getattr(engine, "kept_tree", None) is not None:
+        # tuning chose vanilla for this engine; what is left to check is the head, whose output must still match
+        head = engine.speculative()
+        print(f"check: this engine runs vanilla by default (tuning measured it faster here); checking its head "
+              f"({head.method}, tree {head.tree}) against vanilla", file=sys.stderr)
+        engine = head
     sampling = sampling_from_args(args)
     if engine.layout == "bundle":
         if not sampling.greedy:

@@ -1,6 +1,8 @@
 """Tuning an engine's tree: measure vanilla and a ladder of chains and trees on this machine (runtime/autotune.py),
 keep the fastest shape whose output matched vanilla, and store it as the manifest's `tree`, so that every entry
-point (generate, check, bench, Triton) runs it from then on. `tuning` in the manifest records what was measured."""
+point (generate, check, bench, Triton) runs it from then on. When vanilla measured faster than that tree, the
+engine runs vanilla by default (`tuning.method` "vanilla") and the tree stays stored for an explicit method
+(--method eagle3). `tuning` in the manifest records what was measured."""
 from __future__ import annotations
 
 import os
@@ -14,26 +16,36 @@ from eaglex.runtime.manifest import read_manifest, write_manifest
 
 
 def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print) -> None:
-    """Set `engine.tree` to the measured fastest shape; for an engine folder, also write it to the manifest.
-    An engine tuned before is left as it is unless `force`."""
-    if engine.method == "vanilla" or engine.layout == "bundle":
+    """Make `engine` run the measured fastest: its best tree, or vanilla (method "vanilla", the best tree kept as
+    `engine.kept_tree`) when vanilla measured faster than every tree; for an engine folder, also write it to the
+    manifest. An engine tuned before is left as it is unless `force`. Engines that cannot draft (no head, or
+    vanilla asked for explicitly) and TensorRT-LLM bundles are left alone."""
+    if engine.layout == "bundle" or engine.draft_kind is None or (engine.method == "vanilla"
+                                                                   and engine.kept_tree is None):
         return
     manifest = read_manifest(engine.path) if engine.layout == "engine" else {}
+    head = engine.method if engine.method != "vanilla" else engine.head_method
     if manifest.get("tuning") and not force:
-        log(f"tree {engine.tree} (tuned on {manifest['tuning'].get('cpu', 'this machine')})")
+        where = manifest["tuning"].get("cpu", "this machine")
+        log(f"vanilla (tuned on {where}: {_kept(engine.kept_tree, head)})" if engine.method == "vanilla" else
+            f"tree {engine.tree} (tuned on {where})")
         return
     log("tuning the tree on this machine (vanilla vs chains and trees, interleaved) ...")
     best, rows = autotune(engine.backend, prompts[:4], max_new_tokens=32)
     for r in rows:
         log(f"  {r.tree or 'vanilla'!s:<18} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
     best_row = next(r for r in rows[1:] if r.tree == best)
-    note = "" if best_row.tokens_per_s > rows[0].tokens_per_s else \
-        " (vanilla is faster here: this model is too small for drafting to pay off on this machine)"
-    log(f"  -> {best}{note}")
-    engine.tree = best
+    if rows[0].tokens_per_s > best_row.tokens_per_s:
+        # the default must be the fastest measured setting; the head's best tree stays for an explicit method
+        log(f"  -> vanilla (fastest here; {_kept(best, head)})")
+        engine.method, engine.tree, engine.kept_tree = "vanilla", None, best
+    else:
+        log(f"  -> {best}")
+        engine.method, engine.tree, engine.kept_tree = head, best, None
     if engine.layout == "engine":
         manifest["tree"] = str(best)
         manifest["tuning"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                              "method": engine.method,
                               "tokens_per_s": {str(r.tree or "vanilla"): round(r.tokens_per_s, 2) for r in rows}}
         tune_batching(engine, prompts, manifest, log, write=False)
         _write(engine, manifest, "tuned tree")
@@ -54,6 +66,10 @@ def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, w
     manifest.setdefault("tuning", {})["batch"] = {str(k): v for k, v in table.items()}
     if write:
         _write(engine, manifest, "batch schedule")
+
+
+def _kept(tree, head: str) -> str:
+    return f"the best tree, {tree}, is kept for --method {head}"
 
 
 def _write(engine, manifest: dict, what: str) -> None:

@@ -4,7 +4,9 @@ Every entry point (the CLI, the Triton model, the benchmark, the trainers' repor
 an engine runs the same method and tree wherever it is used. Accepted layouts:
 
 - ``engine``: an ONNX Runtime engine folder written by `eaglex build` (manifest.json); its method and `tree` come
-  from the manifest, where tuning (`eaglex engine`, `--tree auto`) stores the shape it measured as fastest;
+  from the manifest, where tuning (`eaglex engine`, `--tree auto`) stores the shape it measured as fastest; when
+  tuning measured vanilla faster than every tree, the engine runs vanilla unless a method or tree is asked for, and
+  keeps the best tree (`Engine.kept_tree`) for that;
 - ``bundle``: a TensorRT-LLM bundle (manifest.json with backend tensorrt-llm), run by runtime/trtllm.py;
 - ``checkpoint``: a folder with ``target/`` (Hugging Face model) and optionally ``draft/`` (EAGLE head): the
   PyTorch backend, for deployments straight from checkpoints;
@@ -24,7 +26,8 @@ from eaglex.prompts import load_tokenizer
 
 from .device import device_of
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
-from .manifest import MANIFEST, default_method, manifest_tree
+from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
+from .manifest import head_method as manifest_head_method
 from .sampling import derive_seed
 from .types import SamplingConfig, TreeConfig
 
@@ -41,6 +44,8 @@ class Engine:
     tree: TreeConfig | None         # None for vanilla
     layout: str                     # "engine" | "checkpoint" | "hf" | "models"
     path: Path | None = None        # the engine folder (layout "engine"): where tuning writes its result
+    kept_tree: TreeConfig | None = None     # method "vanilla" because tuning measured it faster than every tree:
+                                            # the head's best tree, which speculative() and an explicit method run
 
     @property
     def spec(self):
@@ -58,6 +63,19 @@ class Engine:
     @property
     def manifest(self) -> dict | None:
         return getattr(self.backend, "manifest", None)
+
+    @property
+    def head_method(self) -> str:
+        """The method the head runs when drafting: the manifest's, else the one the head's kind implies."""
+        return manifest_head_method(self.manifest, self.draft_kind)
+
+    def speculative(self) -> Engine:
+        """This engine drafting with its head: itself, unless tuning chose vanilla (kept_tree set); then the same
+        models on the head's method and kept tree, for what concerns the head whatever runs by default (the
+        check against vanilla, the bench's tree row)."""
+        if self.kept_tree is None:
+            return self
+        return replace(self, method=self.head_method, tree=self.kept_tree, kept_tree=None)
 
     def generator(self, sampling: SamplingConfig = SamplingConfig()):
         """A generator for one request at a time (generators hold the sampling config; the backend is shared)."""
@@ -157,7 +175,8 @@ def layout(path: str | Path) -> str:
 def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig | None = None,
                 dtype: str = "float32", draft_kind: str | None = None, threads: int | None = None,
                 device: str | None = None, providers: str | list[str] | None = None, mode: str | None = None):
-    """Open any layout above. Overrides: `method` ("vanilla" turns drafting off), `tree` (else the engine's own),
+    """Open any layout above. Overrides: `method` ("vanilla" turns drafting off; a speculative method or a `tree`
+    drafts even where tuning chose vanilla, on the kept tree unless `tree`), `tree` (else the engine's own),
     `dtype` (PyTorch layouts), `draft_kind` (must match the head), `threads` (ONNX Runtime's pool size),
     `device` ("cpu" by default; "auto", "cuda", "cuda:N": runtime/device.py), `providers` (ONNX Runtime engines:
     execution providers instead of the device's), `mode` (PyTorch layouts: eager, static or graphs).
@@ -174,7 +193,7 @@ def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig
                              providers=choose_providers(device, providers))
         m = backend.manifest
         return _engine(backend, p, m.get("method") or m.get("default_method"), manifest_tree(m), method, tree,
-                       "engine", p)
+                       "engine", p, tuned_vanilla(m))
     target = p / "target" if kind == "checkpoint" else p
     draft = p / "draft" if kind == "checkpoint" and (p / "draft").is_dir() else None
     if providers:
@@ -197,11 +216,14 @@ def open_models(target: str | Path, draft: str | Path | None = None, *, method: 
 
 
 def _engine(backend, tok_dir: Path, own_method: str | None, own_tree: TreeConfig | None, method: str | None,
-            tree: TreeConfig | None, kind: str, path: Path | None) -> Engine:
-    """Resolve the method and tree: the caller's overrides, else the model's own."""
+            tree: TreeConfig | None, kind: str, path: Path | None, own_vanilla: bool = False) -> Engine:
+    """Resolve the method and tree: the caller's overrides, else the model's own. `own_vanilla`: tuning measured
+    vanilla faster than every tree, so vanilla is the model's own unless the caller asks for a method or a tree."""
     head = backend.draft_kind
     if method is not None and method not in METHODS:
         raise ModelError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if own_vanilla and method is None and tree is None and head is not None:
+        return Engine(backend, load_tokenizer(tok_dir), "vanilla", None, kind, path, own_tree or TreeConfig())
     chosen = method or own_method or default_method(head)
     if chosen != "vanilla":
         if head is None:

@@ -1,11 +1,13 @@
 """manifest.json of an engine folder: what was built from what, and the checks a loader runs before trusting it.
 
-The manifest is the engine's table of contents: format version, backend, dtype, opset, the target's TargetSpec,
-the draft head (kind, feature layers, draft vocabulary and whether a d2t map is applied), the method and the
+The manifest is the engine's table of contents: format version, backend, dtype, opset, the target's TargetSpec, the
+draft head (kind, feature layers, draft vocabulary and whether a d2t map is applied), the head's method and the
 `tree` every entry point runs by default (written at build, overwritten by tuning: `tuning` records what was
-measured), every file with its size and sha256, the sha256 of the source weights, tool versions and the parity
-errors measured at build time. Every graph also carries the engine's id in its ONNX metadata, so a graph copied
-over from another engine is caught even when its file is too big to hash on every load.
+measured, and `tuning.method` is "vanilla" when vanilla measured faster than every tree, so that the engine runs
+vanilla by default and keeps its best tree for an explicit method), every file with its size and sha256, the sha256
+of the source weights, tool versions and the parity errors measured at build time. Every graph also carries the
+engine's id in its ONNX metadata, so a graph copied over from another engine is caught even when its file is too big
+to hash on every load.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ HASH_LIMIT = 2 * 1024 ** 3      # files up to this size are hashed on load; bigg
 
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HASH_LIMIT", "sha256_file", "write_manifest", "read_manifest",
-           "verify_files", "target_spec", "manifest_tree", "default_method"]
+           "verify_files", "target_spec", "manifest_tree", "default_method", "head_method", "tuned_vanilla"]
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
@@ -80,9 +82,23 @@ def default_method(draft_kind: str | None) -> str:
     return {"eagle3": "eagle3", "eagle1": "eagle2", None: "vanilla"}[draft_kind]
 
 
+def head_method(manifest: dict | None, draft_kind: str | None) -> str:
+    """The speculative method an engine's head runs: the manifest's `method` (older engines: `default_method`),
+    else the one the head's kind implies (model folders have no manifest)."""
+    m = manifest or {}
+    return m.get("method") or m.get("default_method") or default_method(draft_kind)
+
+
+def tuned_vanilla(manifest: dict | None) -> bool:
+    """Whether tuning measured vanilla faster than every tree on its machine (`tuning.method` "vanilla"): the
+    engine then runs vanilla by default. Engines tuned before that decision was recorded say nothing: False."""
+    return ((manifest or {}).get("tuning") or {}).get("method") == "vanilla"
+
+
 def manifest_tree(manifest: dict) -> TreeConfig | None:
-    """The tree the engine runs by default: the `tree` field (the tuned shape once `eaglex engine` or `--tree auto`
-    measured one). Engines written before that field keep working: their `tuned_tree`, else `default_tree`."""
+    """The head's tree, which the engine runs by default unless tuning chose vanilla (tuned_vanilla): the `tree`
+    field (the tuned shape once `eaglex engine` or `--tree auto` measured one). Engines written before that field
+    keep working: their `tuned_tree`, else `default_tree`."""
     if manifest.get("tree"):
         try:
             return TreeConfig.parse(manifest["tree"])

@@ -1,0 +1,193 @@
+"""Tuning decides what an engine runs by default: its best tree, or vanilla when vanilla measured faster than every
+tree (then the best tree is kept for an explicit method, and every entry point says so). The measurements are
+replaced by fixed answers so that the decision, not the machine's load, is under test."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import eaglex.engines.tune as tune_mod
+import eaglex.runtime.generate as generate_mod
+from eaglex.cli import main
+from eaglex.engines.build import build_engine
+from eaglex.engines.triton.loader import load
+from eaglex.engines.tune import tune_engine
+from eaglex.runtime.autotune import TuneRow
+from eaglex.runtime.batch import Schedule
+from eaglex.runtime.engine import open_engine, open_models
+from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+from eaglex.runtime.manifest import read_manifest, write_manifest
+from eaglex.runtime.types import TreeConfig
+
+BEST = TreeConfig.parse("chain:2")           # no default uses it: the tree an entry point runs says where it came from
+OTHER = TreeConfig.parse("dynamic:8/4/3")
+SCHEDULE = Schedule.parse("1:chain:2,4:vanilla")
+
+# name: (vanilla tokens/s, best tree's tokens/s, the method open_engine runs by default)
+CASES = {
+    "vanilla faster": (20.0, 10.0, "vanilla"),
+    "tree faster": (10.0, 20.0, "eagle3"),
+    "a tie keeps the tree": (10.0, 10.0, "eagle3"),
+}
+
+
+@pytest.fixture(scope="module")
+def built(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune") / "llama-eagle3"
+    build_engine(models["llama"], models["llama/eagle3"], out, progress=False)
+    return out
+
+
+@pytest.fixture()
+def measured(monkeypatch):
+    """measured(vanilla, tree): autotune answers these tokens/s (BEST the fastest tree, OTHER slower) and the batch
+    tuning a fixed schedule, so a tuning run takes no time."""
+    def set_speeds(vanilla: float, tree: float):
+        rows = [TuneRow(None, 10 / vanilla, 10, 1.0, True), TuneRow(BEST, 10 / tree, 10, 2.0, True),
+                TuneRow(OTHER, 10 / (tree / 2), 10, 2.5, True)]
+        monkeypatch.setattr(tune_mod, "autotune", lambda *a, **k: (BEST, rows))
+    monkeypatch.setattr(tune_mod, "tune_schedule", lambda backend, prompts: (SCHEDULE, {1: {"vanilla": 1.0}}))
+    return set_speeds
+
+
+@pytest.fixture()
+def fresh(built, tmp_path):
+    """A copy of the built engine that was never tuned."""
+    out = tmp_path / "engine"
+    shutil.copytree(built, out)
+    return out
+
+
+def _tune(folder, prompts, **kw) -> list[str]:
+    lines = []
+    tune_engine(open_engine(folder), prompts[:2], log=lines.append, **kw)
+    return lines
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tuning_stores_the_fastest_as_the_default(case, fresh, measured, prompts):
+    vanilla, tree, want = CASES[case]
+    measured(vanilla, tree)
+    decision = next(line for line in _tune(fresh, prompts) if line.startswith("  -> "))   # the tree's, not batching's
+    m = read_manifest(fresh)
+    assert m["tree"] == "chain:2" and m["method"] == "eagle3"             # the head's method and best tree stay
+    assert m["tuning"]["method"] == want and m["batch_schedule"] == str(SCHEDULE)
+    engine = open_engine(fresh)
+    assert engine.method == want
+    if want == "vanilla":
+        assert engine.tree is None and engine.kept_tree == BEST
+        assert isinstance(engine.generator(), VanillaGenerator)
+        assert engine.batch_schedule() == Schedule.fixed(None)
+        assert decision == "  -> vanilla (fastest here; the best tree, chain:2, is kept for --method eagle3)"
+    else:
+        assert engine.tree == BEST and engine.kept_tree is None
+        assert isinstance(engine.generator(), SpeculativeGenerator)
+        assert engine.batch_schedule() == SCHEDULE
+        assert decision == "  -> chain:2"
+    # whatever the default, asking for the head runs its best tree, and asking for vanilla runs vanilla
+    assert (open_engine(fresh, method="eagle3").method, open_engine(fresh, method="eagle3").tree) == ("eagle3", BEST)
+    assert (engine.speculative().method, engine.speculative().tree) == ("eagle3", BEST)
+    explicit = open_engine(fresh, method="vanilla")
+    assert (explicit.method, explicit.kept_tree) == ("vanilla", None)
+    assert (open_engine(fresh, tree=OTHER).method, open_engine(fresh, tree=OTHER).tree) == ("eagle3", OTHER)
+
+
+def test_the_open_engine_runs_the_decision_at_once_and_a_forced_retune_can_reverse_it(fresh, measured, prompts):
+    measured(20.0, 10.0)
+    engine = open_engine(fresh)
+    tune_engine(engine, prompts[:2], log=lambda _: None)
+    assert (engine.method, engine.tree, engine.kept_tree) == ("vanilla", None, BEST)
+    lines = []
+    tune_engine(open_engine(fresh), prompts[:2], log=lines.append)      # tuned before: says what it runs
+    assert len(lines) == 1 and lines[0].startswith("vanilla (tuned on ") and "chain:2" in lines[0]
+    measured(10.0, 20.0)
+    engine = open_engine(fresh)
+    tune_engine(engine, prompts[:2], force=True, log=lambda _: None)
+    assert (engine.method, engine.tree, engine.kept_tree) == ("eagle3", BEST, None)
+    assert read_manifest(fresh)["tuning"]["method"] == "eagle3"
+    assert open_engine(fresh).method == "eagle3"
+
+
+def test_engines_tuned_before_the_decision_was_recorded_run_their_tree(fresh):
+    m = read_manifest(fresh)
+    m["tree"], m["tuning"] = "chain:2", {"cpu": "x", "cores": 2, "tokens_per_s": {"vanilla": 20.0, "chain:2": 10.0}}
+    write_manifest(fresh, m)
+    engine = open_engine(fresh)
+    assert (engine.method, engine.tree, engine.kept_tree) == ("eagle3", BEST, None)
+
+
+def test_model_folders_tuned_in_process_keep_the_heads_method(models, measured, prompts):
+    """No manifest: the decision lives in the open Engine; an EAGLE-1/2 head's method is eagle2."""
+    measured(20.0, 10.0)
+    engine = open_models(models["llama"], models["llama/eagle1"])
+    tune_engine(engine, prompts[:2], log=lambda _: None)
+    assert (engine.method, engine.kept_tree) == ("vanilla", BEST)
+    assert (engine.speculative().method, engine.speculative().tree) == ("eagle2", BEST)
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+
+@pytest.fixture()
+def vanilla_tuned(fresh, measured, prompts):
+    measured(20.0, 10.0)
+    _tune(fresh, prompts)
+    return fresh
+
+
+@pytest.fixture()
+def trees_run(monkeypatch):
+    """Every tree a SpeculativeGenerator is built with."""
+    seen = []
+    real = generate_mod.SpeculativeGenerator.__init__
+
+    def spy(self, backend, tree, *args, **kwargs):
+        seen.append(tree)
+        real(self, backend, tree, *args, **kwargs)
+    monkeypatch.setattr(generate_mod.SpeculativeGenerator, "__init__", spy)
+    return seen
+
+
+def _prompts(tmp_path, prompts, n=2):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
+    return f
+
+
+@pytest.mark.parametrize("flags,trees", [([], set()), (["--method", "eagle3"], {BEST}), (["--tree", "chain:3"],
+                                                                                         {TreeConfig.chain(3)})])
+def test_generate_runs_vanilla_unless_told_otherwise(flags, trees, vanilla_tuned, trees_run, tmp_path, prompts):
+    assert main(["generate", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "o.jsonl"), *flags]) == 0
+    assert set(trees_run) == trees
+
+
+def test_check_still_checks_the_heads_tree(vanilla_tuned, trees_run, tmp_path, prompts, capsys):
+    assert main(["check", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+                 "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert set(trees_run) == {BEST} and "eagle3, tree chain:2" in out.out and "runs vanilla by default" in out.err
+    assert main(["check", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+                 "--method", "vanilla"]) != 0                               # vanilla asked for: nothing to check
+
+
+def test_triton_loader_runs_vanilla(vanilla_tuned):
+    assert (load(vanilla_tuned).method, load(vanilla_tuned).tree) == ("vanilla", None)
+    assert (load(vanilla_tuned, tree="chain:3").method, load(vanilla_tuned, tree="chain:3").tree) == \
+        ("eagle3", TreeConfig.chain(3))
+
+
+def test_bench_shows_vanilla_and_the_kept_tree(vanilla_tuned, tmp_path, prompts):
+    assert main(["bench", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)), "--trees",
+                 "auto", "--max-new-tokens", "4", "--out", str(tmp_path / "b.json")]) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["method"], r["tree"]) for r in rows] == [("vanilla", "-"), ("eagle3", "chain:2 (tuned: vanilla faster)")]
+
+
+def test_engine_demo_says_tuning_chose_vanilla(vanilla_tuned, prompts, capsys):
+    from eaglex.make_engine import demo
+    demo(open_engine(vanilla_tuned), prompts[1], 6)
+    lines = capsys.readouterr().out.splitlines()
+    assert "head eagle3 chain:2" in lines[-2] and "identical: yes" in lines[-2]
+    assert lines[-1].startswith("tuning measured vanilla faster than every tree") and "--method eagle3" in lines[-1]
