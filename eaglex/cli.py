@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = bld.add_argument_group("quantization")
     q.add_argument("--quant", choices=("fp8", "int8"),
                    help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime) or the ModelOpt FP8 checkpoint "
-                        "(tensorrt-llm); int8: weight-only MatMulNBits, the fast quantized CPU path (onnxruntime)")
+                        "(tensorrt-llm); int8: MatMulNBits with int8 activations, the fast quantized CPU path "
+                        "(onnxruntime; exact with chain trees, one request at a time)")
     q.add_argument("--calibrated", type=Path, help="FP8 checkpoint written by `eaglex calibrate` (for --quant fp8)")
     q.add_argument("--quant-draft", action="store_true", help="also quantize the draft graphs (onnxruntime)")
     q.add_argument("--calibrated-draft", type=Path, help="FP8 draft from `eaglex calibrate --quant-draft`")

@@ -54,6 +54,9 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
 def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, write: bool = True) -> None:
     """Measure the batch schedule (runtime/batch.tune_schedule: vanilla batching vs chains at 1..16 requests in
     flight) and store it as the manifest's `batch_schedule`, with the measured table under tuning.batch."""
+    if not getattr(engine.backend, "batch_exact", True):
+        log("in-flight batching: off for this engine (its exactness rules keep requests apart)")
+        return
     log("tuning in-flight batching (vanilla vs chains at 1, 2, 4, 8, 16 requests) ...")
     backend = batch_backend(engine.backend, max(BATCH_SIZES), max(BATCH_CHAINS) + 1)
     schedule, table = tune_schedule(backend, prompts)

@@ -126,6 +126,10 @@ class Engine:
             raise ModelError(f"batched decoding runs on the CPU for now, and this engine runs on {self.device}: "
                              "decode one request at a time (batch 1) on a GPU")
         schedule = schedule or self.batch_schedule()
+        if not getattr(self.backend, "batch_exact", True):
+            # an int8 engine (manifest `exactness`): rows padded together in one forward round differently from
+            # a request decoded alone, so requests take turns on the single-request path
+            max_batch, solo = 1, True
         factory = None
         if solo:
             vanilla, one = all(t is None for _, t in schedule.steps), schedule.tree(1)

@@ -24,10 +24,12 @@ from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_engine, target_parity
 from eaglex.export import quantize as q
 from eaglex.models.errors import ModelError
+from eaglex.runtime.engine import open_engine
 from eaglex.runtime.generate import VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
 from eaglex.runtime.ort_session import use_global_pool
 from eaglex.runtime.torch_backend import TorchBackend
+from eaglex.runtime.types import TreeConfig
 
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
 needs_modelopt = pytest.mark.skipif(not HAVE_MODELOPT, reason="nvidia-modelopt is not installed "
@@ -309,6 +311,10 @@ def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     assert main(["check", "--engine", str(e), "--prompts", str(_prompt_file(tmp_path, prompts)),
                  "--tree", "dynamic:8/4/2"]) == 2
     assert "chain trees only" in capsys.readouterr().err
+    eng = open_engine(e, tree=TreeConfig.parse("chain:2"))
+    assert eng.batcher(8).backend.slots == 1                        # requests take turns: no padded rows
+    alone = [r.output_ids for r in open_engine(e, method="vanilla").generate(prompts[:3], max_new_tokens=16)]
+    assert [r.output_ids for r in eng.generate(prompts[:3], max_new_tokens=16, batch=3)] == alone
     with pytest.raises(ModelError, match="already quantized"):
         quantize_engine(e, "int8", progress=False)
 
