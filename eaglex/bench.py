@@ -379,7 +379,8 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
             row.tree = text
             tau = sum(row.accept_lengths) / max(len(row.accept_lengths), 1)
             row.predicted_speedup = predicted_speedup(cm, tree, tau)
-        where = f"{engine.device} {getattr(engine.backend, 'dtype', '')}".strip()
+        quant = ((engine.manifest or {}).get("quant") or {}).get("method")    # weights int8/fp8, activations float
+        where = f"{engine.device} {quant or getattr(engine.backend, 'dtype', '')}".strip()
         for row in got:
             row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]

@@ -425,11 +425,10 @@ def cmd_build(args) -> int:
         print(f"  quantized {args.quant}: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"
               f" target logits vs float: rel. error {q['parity']['logits_rel_error']:.2e}, "
               f"top-1 agreement {q['parity']['top1_agreement']:.2%}")
-    if args.quant == "fp8":
-        print("  note: on ONNX Runtime CPU, FP8 activation rounding can turn last-bit differences between a tree "
-              "verification and a one-token step into a flipped near-tie, so speculative output can differ from "
-              "this engine's vanilla output on long generations; run `eaglex check` on your prompts",
-              file=sys.stderr)
+        if manifest.get("exactness"):
+            print(f"  exact against this engine's vanilla decoding with chain trees (tree {manifest['tree']} until "
+                  "tuned), one request at a time: quantized activations turn last-bit float differences into "
+                  "flipped tokens otherwise")
     return 0
 
 

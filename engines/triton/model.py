@@ -114,9 +114,15 @@ class TritonPythonModel:
             b = self.batching
             how = (f"batching up to {max_batch} requests (schedule {b.schedule}), KV "
                    f"{b.slot_bytes / 2 ** 20:.1f} MiB per slot, at most {b.max_queue} waiting")
+            if not getattr(self.engine.backend, "batch_exact", True):
+                how = (f"one request at a time (this engine's exactness rules keep requests apart), at most "
+                       f"{b.max_queue} waiting")
+        e = self.engine
+        running = f"method {e.method}, tree {e.tree}" if getattr(e, "kept_tree", None) is None else \
+            f"method vanilla: tuning measured it faster than the head's best tree {e.kept_tree}"
         pb_utils.Logger.log_info(
-            f"eaglex: {args['model_instance_name']} loaded {engine_dir} ({self.engine.layout}, method "
-            f"{self.engine.method}, tree {self.engine.tree}) in {time.perf_counter() - t0:.1f} s; {how}; chat "
+            f"eaglex: {args['model_instance_name']} loaded {engine_dir} ({e.layout}, {running}) in "
+            f"{time.perf_counter() - t0:.1f} s; {how}; chat "
             f"template on text_input {'on' if self.limits.chat_template else 'off'} by default")
 
     def execute(self, requests):
