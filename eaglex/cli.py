@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests one instance decodes together by in-flight batching (default: 16 with one "
                           "instance; 0: one request at a time per instance, the default with --instances > 1)")
     tri.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
+    tri.add_argument("--max-context", type=int, default=0,
+                     help="longest prompt + new tokens per request (0: the model's context; with batching, as much "
+                          "as fits in half the memory available at load: every slot holds that much KV)")
     tri.add_argument("--threads", type=int, default=0,
                      help="intra-op threads per instance (0: the backend's default)")
     tri.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
@@ -456,7 +459,7 @@ def cmd_triton(args) -> int:
     max_batch = args.max_batch if args.max_batch is not None else 16 if args.instances == 1 else 0
     model = write_repository(args.engine, args.out, args.name or "eaglex", args.instances, args.max_queue_size,
                              args.threads, "vanilla" if args.vanilla else "default", args.copy, args.force,
-                             max_batch=max_batch, chat_template=args.chat)
+                             max_batch=max_batch, chat_template=args.chat, max_context=args.max_context)
     how = f"batching up to {max_batch} requests" if max_batch else f"{args.instances} instance(s)"
     how += ", chat template on text_input" if args.chat else ""
     print(f"wrote {model} (engine {args.engine.resolve()}, {how}); serve it with\n"

@@ -114,12 +114,19 @@ class Engine:
             return Schedule.fixed(None)
         return Schedule.parse(stored) if stored else Schedule.fixed(chain_for(self.tree))
 
-    def batcher(self, max_batch: int, schedule=None, solo: bool = True):
+    def kv_bytes_per_token(self) -> int:
+        """KV memory one token of context takes in a batch slot (target + draft)."""
+        from .batch_backend import batch_backend
+        return batch_backend(_BoundedContext(self.backend, 1), 1).slot_bytes
+
+    def batcher(self, max_batch: int, schedule=None, solo: bool = True, context: int | None = None):
         """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights).
         `solo`: a request alone in flight runs on a single-request generator, so one request at a time costs what
         it does alone: greedy on this engine's own (vanilla when the schedule is vanilla throughout), bit-identical
         to decoding it alone; sampled on the schedule's tree at one request, so that a sampled request's output
-        depends on its seed and the schedule only, not on whether it happened to be alone."""
+        depends on its seed and the schedule only, not on whether it happened to be alone. `context`: the longest
+        prompt + new tokens a request may have (default: the model's context); every slot holds that much KV, so
+        a server sizes it to its memory."""
         from .batch import BatchedGenerator
         from .batch_backend import batch_backend
         if self.device != "cpu":
@@ -138,7 +145,10 @@ class Engine:
                 if vanilla or (not s.greedy and one is None):
                     return VanillaGenerator(self.backend, s)
                 return self.generator(s) if s.greedy else SpeculativeGenerator(self.backend, one, s)
-        return BatchedGenerator(batch_backend(self.backend, max_batch, schedule.max_nodes), schedule, factory)
+        backend = self.backend
+        if context is not None and context < backend.spec.max_context:
+            backend = _BoundedContext(backend, context)
+        return BatchedGenerator(batch_backend(backend, max_batch, schedule.max_nodes), schedule, factory)
 
     def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
         gen = self.batcher(batch)
@@ -155,6 +165,19 @@ class Engine:
             if r.error is not None:
                 raise r.error
         return [r.result for r in reqs]
+
+
+class _BoundedContext:
+    """A backend seen with a shorter context: the batch slots it sizes (and the requests they accept) stop there."""
+
+    def __init__(self, backend, context: int):
+        if context < 1:
+            raise ModelError(f"the context must be at least 1 token, got {context}")
+        self._backend = backend
+        self.spec = replace(backend.spec, max_context=context)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
 
 
 def layout(path: str | Path) -> str:

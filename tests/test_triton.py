@@ -432,6 +432,35 @@ GREEDY_PROMPTS = ["hello world", "the quick brown fox", "eagle speculative decod
                   "draft then verify", "triton server", "zz top"]
 
 
+def test_max_context_sizes_the_batch_slots_and_the_requests(checkpoint, reference, tmp_path, monkeypatch):
+    """Batch slots hold KV for the whole context up front (SmolLM2's 8192 tokens x 32 slots: 12 GB, killed by the
+    OOM killer in a load benchmark): `max_context` bounds the slots and the requests; unset, the slots take at most
+    half the memory available at load; a request longer than the context is refused, not cut or overflowed."""
+    run_vanilla, tok = reference
+    mod = model_module()
+    model = load_in_process(write_repository(checkpoint, tmp_path / "repo", threads=1, max_batch=4, max_context=40))
+    try:
+        engine, per_token = model.engine, model.engine.kv_bytes_per_token()
+        assert model.limits.max_context == 40 and "context 40 tokens" in FAKE_PB.log[-1]
+        assert model.batching.slot_bytes == per_token * (40 + model.batching.schedule.max_nodes)
+        ok, long = FakeRequest(text_input="hello", max_tokens=20), FakeRequest(text_input="hello", max_tokens=40)
+        model.execute([ok, long])
+        assert ok.result()["error"] is None and ok.result()["ids"] == run_vanilla("hello", 20)
+        assert long.result()["error"] == "INVALID_ARG"
+    finally:
+        model.finalize()
+    spec_context = engine.spec.max_context
+    assert mod.serving_context(engine, 0, 0) == spec_context                 # one request at a time: the model's
+    assert mod.serving_context(engine, 10 ** 9, 4) == spec_context           # capped at the model's
+    half = spec_context // 2
+    assert half >= 256
+    pages = {"SC_AVPHYS_PAGES": half * per_token * 4 * 2 // 4096, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(mod.os, "sysconf", lambda k: pages[k])
+    assert half - 1 <= mod.serving_context(engine, 0, 4) <= half              # half the free memory over 4 slots
+    with pytest.raises(ModelError, match="lower max_batch, or set max_context"):
+        mod.serving_context(engine, 0, 400)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(models, tmp_path_factory):
     """target/ (Llama fixture + char tokenizer with a chat template) and draft/ (EAGLE-3 head): the layout the model

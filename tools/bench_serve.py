@@ -150,7 +150,8 @@ def serve_mode(args, mode: str, work: Path):
     write_repository(args.engine, repo, "eaglex", instances=1, threads=args.threads,
                      max_queue_size=max(64, 2 * max(args.concurrency)),
                      method="vanilla" if mode == "vanilla" else "default",
-                     max_batch=0 if mode == "single" else args.max_batch, force=True)
+                     max_batch=0 if mode == "single" else args.max_batch, max_context=args.max_context,
+                     force=True)
     return triton_server.start(repo, work / mode / "server.pid", work / mode, http_port=0, grpc_port=0,
                                metrics_port=0, exit_timeout=20, timeout=300)
 
@@ -164,6 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=32, help="slots of the batching deployments")
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="context per request of the deployments (0: the longest prompt + --max-tokens; the three "
+                         "deployments start at once, so each sizing its slots to the free memory would overcommit)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads of the server (0: backend default)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     ap.add_argument("--schedule", default="auto",
@@ -187,6 +191,7 @@ def main(argv=None) -> int:
     if engine.tokenizer is None:
         raise SystemExit(f"{args.engine} has no tokenizer")
     prompts = [list(engine.tokenizer(t)["input_ids"]) for t in TEXTS]
+    args.max_context = args.max_context or max(len(p) for p in prompts) + args.max_tokens
     stored = (engine.manifest or {}).get("batch_schedule")
     schedule_from = "engine"
     if engine.layout == "engine" and engine.method != "vanilla" and (args.schedule != "auto" or not stored):

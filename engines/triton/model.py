@@ -31,6 +31,7 @@ Design:
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import traceback
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from eaglex.models.errors import ModelError
 
 from .loader import load
 from .request import Limits, RequestError, parse, tokenize
@@ -103,16 +106,17 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         self.engine = load(engine_dir, params.get("method") or "default", tree, threads=threads)
         spec = self.engine.spec
-        self.limits = Limits.from_parameters(params, spec.vocab_size, spec.max_context, self.engine.tokenizer)
-        self.metrics = _Metrics(self.name)
         max_batch = int(params.get("max_batch") or 0)
+        context = serving_context(self.engine, int(params.get("max_context") or 0), max_batch)
+        self.limits = Limits.from_parameters(params, spec.vocab_size, context, self.engine.tokenizer)
+        self.metrics = _Metrics(self.name)
         self.batching = None
         how = "one request at a time"
         if max_batch > 0:
             self.metrics.batching(self.name)
-            self.batching = _Batching(self, max_batch, int(params.get("max_queue_size") or 64))
+            self.batching = _Batching(self, max_batch, int(params.get("max_queue_size") or 64), context)
             b = self.batching
-            how = (f"batching up to {max_batch} requests (schedule {b.schedule}), KV "
+            how = (f"batching up to {max_batch} requests (schedule {b.schedule}), context {context} tokens, KV "
                    f"{b.slot_bytes / 2 ** 20:.1f} MiB per slot, at most {b.max_queue} waiting")
             if not getattr(self.engine.backend, "batch_exact", True):
                 how = (f"one request at a time (this engine's exactness rules keep requests apart), at most "
@@ -270,14 +274,34 @@ class _Job:
         self.handle = None              # its runtime.batch.Request once submitted
 
 
+KV_SHARE = 0.5      # of the memory available at load that the batch slots may take by default
+
+
+def serving_context(engine, asked: int, max_batch: int) -> int:
+    """Longest prompt + new tokens a request may have. `asked` (model parameter max_context; 0: not set) is capped
+    at the model's context. Unset with batching: the model's context, or less where every slot holding that much KV
+    would take more than KV_SHARE of the memory available now (slots are allocated up front, one per request)."""
+    model = engine.spec.max_context
+    if asked < 0:
+        raise ModelError(f"model parameter max_context must be >= 0, got {asked}")
+    if asked or max_batch <= 0:
+        return min(asked or model, model)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = int(available * KV_SHARE) // (engine.kv_bytes_per_token() * max_batch)
+    if fits < min(model, 256):
+        raise ModelError(f"{max_batch} batch slots leave {fits} tokens of context each in the memory available: "
+                         "lower max_batch, or set max_context")
+    return min(model, fits)
+
+
 class _Batching:
     """The engine thread: enqueue() (Triton's execute thread) hands requests over; the thread submits them to the
     in-flight batcher, steps it while anything is queued or decoding, and answers each request as it finishes."""
 
-    def __init__(self, model: TritonPythonModel, max_batch: int, max_queue: int):
+    def __init__(self, model: TritonPythonModel, max_batch: int, max_queue: int, context: int):
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.schedule = model.engine.batch_schedule()
-        self.gen = model.engine.batcher(max_batch, self.schedule)
+        self.gen = model.engine.batcher(max_batch, self.schedule, context=context)
         self.slot_bytes = self.gen.backend.slot_bytes
         self.lock = threading.Condition()
         self.inbox: list[_Job] = []

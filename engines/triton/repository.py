@@ -53,14 +53,15 @@ from eaglex.engines.triton.model import TritonPythonModel  # noqa: F401
 
 def config_pbtxt(name: str, engine_dir: str, instances: int = 1, max_queue_size: int = 64, threads: int = 0,
                  method: str = "default", max_input_bytes: int = 65536, default_max_tokens: int = 128,
-                 tree: str | None = None, max_batch: int = 0, chat_template: bool = False) -> str:
+                 tree: str | None = None, max_batch: int = 0, chat_template: bool = False,
+                 max_context: int = 0) -> str:
     def tensor(n, t, dims, optional=None):
         opt = f" optional: {'true' if optional else 'false'}" if optional is not None else ""
         return f'  {{ name: "{n}" data_type: {t} dims: {dims}{opt} }}'
 
     params = {"engine_dir": engine_dir, "method": method, "threads": str(threads),
               "max_input_bytes": str(max_input_bytes), "default_max_tokens": str(default_max_tokens),
-              "max_batch": str(max_batch), "max_queue_size": str(max_queue_size),
+              "max_batch": str(max_batch), "max_queue_size": str(max_queue_size), "max_context": str(max_context),
               "chat_template": "true" if chat_template else "false"}
     if max_batch > 0:
         concurrency = (f"# Concurrency comes from in-flight batching inside the one instance: up to {max_batch} requests "
@@ -109,6 +110,8 @@ output [
 # default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides
 # the engine's own (tuned) tree. max_batch: requests decoded together by in-flight batching (0: one request at a
 # time per instance); with batching at most max_queue_size requests wait for a slot, more are refused (503).
+# max_context: longest prompt + new tokens a request may have (0: the model's, or with batching as much as fits
+# in half the memory available at load, since every slot holds that much KV).
 # chat_template: true wraps text_input, the user's message, with the tokenizer's chat template and generation prompt;
 # false (the default) takes it as raw text, as TensorRT-LLM's ensemble does. A request's parameter chat_template
 # (true/false) overrides it.
@@ -125,7 +128,7 @@ def _escape(v: str) -> str:
 def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int = 1, max_queue_size: int = 64,
                      threads: int = 0, method: str = "default", copy: bool = False, force: bool = False,
                      max_input_bytes: int = 65536, default_max_tokens: int = 128, tree: str | None = None,
-                     max_batch: int = 0, chat_template: bool = False) -> Path:
+                     max_batch: int = 0, chat_template: bool = False, max_context: int = 0) -> Path:
     """Write `<out_dir>/<name>`; returns that model folder. `max_batch` > 0: one instance decoding up to that many
     requests together (in-flight batching); 0: one request at a time per instance. `chat_template`: the model's
     default for applying the tokenizer's chat template to text_input (the engine's tokenizer must have one). Bad
@@ -133,7 +136,8 @@ def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int =
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise ModelError(f"model name {name!r}: use letters, digits, '_', '-' and '.'")
     for what, v, lo in (("instances", instances, 1), ("max queue size", max_queue_size, 1), ("threads", threads, 0),
-                        ("max input bytes", max_input_bytes, 1), ("default max tokens", default_max_tokens, 1)):
+                        ("max input bytes", max_input_bytes, 1), ("default max tokens", default_max_tokens, 1),
+                        ("max context", max_context, 0)):
         if v < lo:
             raise ModelError(f"{what} must be >= {lo}, got {v}")
     if max_batch < 0:
@@ -163,7 +167,7 @@ def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int =
     (version / "model.py").write_text(MODEL_PY)
     (model / "config.pbtxt").write_text(config_pbtxt(name, ref, instances, max_queue_size, threads, method,
                                                      max_input_bytes, default_max_tokens, tree, max_batch,
-                                                     chat_template))
+                                                     chat_template, max_context))
     return model
 
 
