@@ -117,7 +117,7 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         """KV memory one token of context takes in a batch slot (target + draft)."""
         from .batch_backend import batch_backend
-        return batch_backend(_BoundedContext(self.backend, 1), 1).slot_bytes
+        return batch_backend(BoundedContext(self.backend, 1), 1).slot_bytes
 
     def batcher(self, max_batch: int, schedule=None, solo: bool = True, context: int | None = None):
         """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights).
@@ -147,11 +147,12 @@ class Engine:
                 return self.generator(s) if s.greedy else SpeculativeGenerator(self.backend, one, s)
         backend = self.backend
         if context is not None and context < backend.spec.max_context:
-            backend = _BoundedContext(backend, context)
+            backend = BoundedContext(backend, context)
         return BatchedGenerator(batch_backend(backend, max_batch, schedule.max_nodes), schedule, factory)
 
     def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
-        gen = self.batcher(batch)
+        # slots as long as the longest request needs, not the model's whole context (each slot holds that much KV)
+        gen = self.batcher(batch, context=max(len(p) for p in prompts) + max_new_tokens if prompts else None)
         reqs = []
         for i, ids in enumerate(prompts):
             seed = seeds[i] if seeds is not None and seeds[i] is not None else derive_seed(sampling.seed, i)
@@ -167,7 +168,7 @@ class Engine:
         return [r.result for r in reqs]
 
 
-class _BoundedContext:
+class BoundedContext:
     """A backend seen with a shorter context: the batch slots it sizes (and the requests they accept) stop there."""
 
     def __init__(self, backend, context: int):
