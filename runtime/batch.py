@@ -2,17 +2,25 @@
 
 Each request has its own KV slot (target and draft, runtime/batch_backend.py), sampling settings, seed stream,
 stop rules (generate.start_request: the same emitter as the single-request loops) and GenerationResult. A step
-either decodes one token for every active request in one target forward (vanilla batching), or drafts a chain of
-K tokens for every request (the same K for all, one batched draft forward per level), verifies all chains in one
-target forward of B x (K + 1) rows and keeps each request's accepted prefix. A `Schedule` picks K (or vanilla) by
-the number of active requests, so that speculation is turned down as the batch grows.
+runs one cycle for every active request, in one of three ways, picked by a `Schedule` from the number of active
+requests (so that speculation is turned down as the batch grows):
+- vanilla: one token for every request in one target forward;
+- chain:K: K draft tokens for every request (one batched draft forward per level), verified in one target
+  forward of B x (K + 1) rows, each request keeping its accepted prefix;
+- dynamic:TOTAL/DEPTH/TOPK (EAGLE-2): every request grows its own tree, exactly as the single-request Drafter does
+  (expand the TOPK best nodes of each level by cumulative draft log-prob, keep the best TOTAL - 1 candidates and
+  the root: tree.next_frontier / select_dynamic). Each level is one batched draft forward of B x TOPK rows, each
+  row masked to its own request's draft context and its own ancestors among that request's tree rows; all trees
+  have the same size, so verification is one target forward of B x TOTAL rows with each request's ancestor mask,
+  and each request commits its own accepted path (arbitrary node indices) into its slot.
+Verification is per request: verify_greedy, or verify_sampling with the request's own generator.
 
 Prefill stays out of the batched forwards: a joining request's prompt runs alone on its slot, and the draft's
 context catches up lazily (rows that fell behind by more than one cycle, e.g. after vanilla steps or a prefill,
 extend alone; the others extend together, padded to the longest).
 
 Alone in flight: a request that arrives while nothing else is decoding runs on a single-request generator
-(`solo`; Engine.batcher gives greedy requests the engine's own method and tree, sampled ones the schedule's chain at
+(`solo`; Engine.batcher gives greedy requests the engine's own method and tree, sampled ones the schedule's tree at
 one request, so that their draws are those of a batch) over the Backend's own KV cache, one cycle per step, so
 concurrency 1 costs what one request alone costs and a greedy output is bit-identical to the single-request path.
 It keeps that lane until it finishes; requests arriving meanwhile batch in the slots next to it (one extra forward
@@ -24,7 +32,10 @@ the batched forwards.
 Exactness: a request's greedy tokens are the target's argmax given its own context, whatever else is in the
 batch; sampling draws from the request's own torch.Generator (seeded by its SamplingConfig.seed), through the same
 verify_sampling as one request alone. The batched forwards round differently from a request alone at the 1e-5
-level (see batch_backend.py), as the single-request speculative path already does.
+level (see batch_backend.py), as the single-request speculative path already does. Near a tie that can change
+which tokens the draft proposes (never what the target accepts for a greedy request); a sampled request's draws
+depend on the tree it is offered, so its output is fixed by its seed and the schedule, and equals the request
+decoded alone with the same tree unless such a tie falls differently.
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ import torch
 
 from .generate import GenerationResult, start_request
 from .sampling import argmax, logits_to_probs, sample
-from .tree import chain_tree
+from .tree import chain_tree, next_frontier, select_dynamic
 from .types import SamplingConfig, TreeConfig
 from .verify import verify_greedy, verify_sampling
 
@@ -46,7 +57,9 @@ from .verify import verify_greedy, verify_sampling
 @dataclass(frozen=True)
 class Schedule:
     """Tree by number of active requests: `steps` ((from_active, tree or None = vanilla), ...) ascending; the last
-    step whose from_active <= active applies. Spelled "1:chain:4,4:chain:2,8:vanilla" (parse / str)."""
+    step whose from_active <= active applies. Spelled "1:dynamic:8/4/3,2:chain:4,4:chain:2,8:vanilla" (parse /
+    str). Trees are chains or dynamic trees: both give every request a tree of the same size, which is what lets
+    one target forward verify them all (a static tree would too, but nothing batches it yet)."""
     steps: tuple[tuple[int, TreeConfig | None], ...]
 
     def __post_init__(self):
@@ -55,8 +68,8 @@ class Schedule:
         if [a for a, _ in self.steps] != sorted({a for a, _ in self.steps}):
             raise ValueError("schedule steps must be strictly ascending")
         for _, tree in self.steps:
-            if tree is not None and tree.kind != "chain":
-                raise ValueError(f"batched decoding drafts chains (every request the same length), not {tree}")
+            if tree is not None and tree.kind not in ("chain", "dynamic"):
+                raise ValueError(f"batched decoding drafts chains or dynamic trees, not {tree}")
 
     @classmethod
     def fixed(cls, tree: TreeConfig | None) -> Schedule:
@@ -81,6 +94,17 @@ class Schedule:
     @property
     def max_nodes(self) -> int:
         return max((t.max_nodes for _, t in self.steps if t is not None), default=1)
+
+    @property
+    def draft_rows(self) -> int:
+        """Most draft-cache rows a step writes past a slot's committed ones: a tree's draft levels (TOPK rows per
+        level after the first) or a catch-up padded to the longest accepted path (depth + 1)."""
+        return max((max(t.depth + 1, (t.depth - 1) * t.top_k) for _, t in self.steps if t is not None), default=1)
+
+    @property
+    def top_k(self) -> int:
+        """Candidates the draft keeps after each request's last context row: the widest tree's TOPK."""
+        return max((t.top_k for _, t in self.steps if t is not None), default=1)
 
 
 def chain_for(tree: TreeConfig | None) -> TreeConfig | None:
@@ -111,7 +135,8 @@ class Request:
     length: int = 0                        # committed target rows = position of the root
     behind_feats: list = field(default_factory=list)   # target features the draft has not read yet ([n,F] each)
     behind_ids: list = field(default_factory=list)     # the token after each of those positions
-    seed: tuple | None = None              # the draft's (hidden [H], top-1 id) after its last committed row
+    seed: tuple | None = None              # the draft's (hidden [H], top log-probs [k], top ids [k]) after its
+    #                                        last committed row (k = the schedule's widest TOPK)
 
 
 class _Solo:
@@ -168,6 +193,11 @@ class BatchedGenerator:
             raise ValueError("speculative decoding needs a draft head")
         self.backend, self.spec = backend, backend.spec
         self.schedule = schedule or Schedule.fixed(None)
+        if any(t is not None and t.kind == "dynamic" for _, t in self.schedule.steps):
+            if getattr(backend, "exact_trees", None) == "chain":
+                raise ValueError(f"this engine's output stays identical to vanilla decoding with chain trees only, "
+                                 f"not the schedule {self.schedule}")
+            backend.reserve_draft_rows(self.schedule.draft_rows)
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []           # active[i] owns slot i
         self.submitted = 0
@@ -216,8 +246,10 @@ class BatchedGenerator:
             self.steps += 1
             if tree is None:
                 self._vanilla_step()
-            else:
+            elif tree.top_k == 1:           # a chain, or a dynamic tree that is one (as Drafter.tree decides)
                 self._chain_step(tree.depth)
+            else:
+                self._tree_step(tree)
             finished += self._retire()
         return finished
 
@@ -275,7 +307,7 @@ class BatchedGenerator:
         backend = self.backend
         tokens = torch.empty(B, K + 1, dtype=torch.long)
         tokens[:, 0] = torch.tensor([r.root for r in rows])
-        tokens[:, 1] = torch.tensor([r.seed[1] for r in rows])
+        tokens[:, 1] = torch.stack([r.seed[2][0] for r in rows])
         hidden = torch.stack([r.seed[0] for r in rows]).unsqueeze(1)                 # [B,1,H]
         base = torch.tensor([[r.length] for r in rows])                              # [B,1] root positions
         for i in range(K - 1):
@@ -285,27 +317,78 @@ class BatchedGenerator:
         backend.dcache.rollback(slice(0, B))
         logits, feats = self._timed("target", rows, backend.target_forward, slice(0, B), tokens,
                                     base + torch.arange(K + 1), None)
-        for i, r in enumerate(rows):
-            tree = chain_tree(tokens[i])
+        self._accept([chain_tree(t) for t in tokens], logits, feats)
+
+    def _tree_step(self, cfg: TreeConfig) -> None:
+        """Every request grows its own dynamic tree (Drafter._dynamic, one request per batch row), then one target
+        forward verifies all of them. All requests expand the same number of nodes per level and keep the same
+        number of candidates, so the draft rows of a level and the verified trees line up without padding."""
+        rows, B = self.active, len(self.active)
+        self._catch_up(cfg.depth)
+        backend, K = self.backend, cfg.top_k
+        base = torch.tensor([[r.length] for r in rows])                              # [B,1] root positions
+        hidden = torch.stack([r.seed[0] for r in rows])                              # [B,H]
+        logp = torch.stack([r.seed[1][:K] for r in rows])                            # [B,K]
+        # Flat candidate pool per request, appended level by level: K children of the root, then K*K per level.
+        size = K + (cfg.depth - 1) * K * K
+        scores = torch.empty(B, size, dtype=logp.dtype)
+        tokens = torch.empty(B, size, dtype=torch.long)
+        parents = torch.empty(B, size, dtype=torch.long)
+        scores[:, :K], tokens[:, :K], parents[:, :K] = logp, torch.stack([r.seed[2][:K] for r in rows]), -1
+        n = K
+        front = torch.stack([next_frontier(s, K) for s in logp])                    # [B,F] candidates to expand
+        F = front.shape[1]
+        front_h = hidden[:, None].expand(B, F, hidden.shape[-1])                    # [B,F,H] output they came from
+        # [B,F,processed+F]: each frontier row sees its own ancestors among its request's tree rows (and its
+        # request's committed draft context, which every row sees)
+        mask = torch.eye(F, dtype=torch.bool).expand(B, F, F)
+        for i in range(cfg.depth - 1):
+            h, lp, tk = self._timed("draft", rows, backend.draft_forward, slice(0, B), front_h,
+                                    tokens.gather(1, front), (base + i).expand(B, F), mask.contiguous(), False, K)
+            cu = (scores.gather(1, front)[:, :, None] + lp).reshape(B, F * K)       # cumulative log-probs
+            scores[:, n:n + F * K], tokens[:, n:n + F * K] = cu, tk.reshape(B, F * K)
+            parents[:, n:n + F * K] = front.repeat_interleave(K, dim=1)
+            pick = torch.stack([next_frontier(c, K) for c in cu])                   # best K children per request
+            came = pick // K                                                        # the frontier row of each
+            front, n = pick + n, n + F * K
+            F = front.shape[1]
+            front_h = h.gather(1, came[..., None].expand(B, F, h.shape[-1]))
+            mask = torch.cat([mask.gather(1, came[..., None].expand(B, F, mask.shape[-1])),
+                              torch.eye(F, dtype=torch.bool).expand(B, F, F)], 2)
+        backend.dcache.rollback(slice(0, B))
+        trees = [select_dynamic(scores[b, :n], tokens[b, :n], parents[b, :n], r.root, cfg.total_tokens)
+                 for b, r in enumerate(rows)]
+        logits, feats = self._timed("target", rows, backend.target_forward, slice(0, B),
+                                    torch.stack([t.tokens for t in trees]),
+                                    base + torch.stack([t.depths for t in trees]),
+                                    torch.stack([t.mask for t in trees]))
+        self._accept(trees, logits, feats)
+
+    def _accept(self, trees: list, logits: torch.Tensor, feats: torch.Tensor) -> None:
+        """Verify each request's tree against its rows of the target forward (logits [B,N,V], feats [B,N,F]) as
+        SpeculativeGenerator does, commit its accepted nodes into its slot and emit them."""
+        backend = self.backend
+        for i, (r, tree) in enumerate(zip(self.active, trees)):
             if r.sampling.greedy:
                 verdict = verify_greedy(tree, logits[i])
             else:
                 verdict = verify_sampling(tree, logits[i], r.sampling, r.generator)
             backend.tcache.commit(i, verdict.nodes)
-            accepted = tokens[i, verdict.nodes[1:]].tolist()
+            accepted = tree.tokens[verdict.nodes[1:]].tolist()
             r.result.cycles += 1
             r.result.accept_lengths.append(self._emit(r, accepted + [verdict.next_token]))
             r.behind_feats, r.behind_ids = [feats[i, verdict.nodes]], accepted + [verdict.next_token]
             r.length += int(verdict.nodes.shape[0])
 
-    def _catch_up(self, K: int) -> None:
-        """Extend every row's draft context by what it has not read: rows more than one cycle behind alone, the
-        others in one forward padded to the longest (padding rows are written as pending and never committed)."""
+    def _catch_up(self, depth: int) -> None:
+        """Extend every row's draft context by what it has not read: rows more than one cycle of a tree `depth`
+        deep behind alone, the others in one forward padded to the longest (padding rows are written as pending and
+        never committed)."""
         rows = self.active
         short = []
         for i, r in enumerate(rows):
             n = sum(len(f) for f in r.behind_feats)
-            if n > K + 1:
+            if n > depth + 1:
                 self._extend(slice(i, i + 1), [r])
             elif n:
                 short.append(i)
@@ -323,12 +406,12 @@ class BatchedGenerator:
             if n:
                 hidden[j, :n], ids[j, :n] = f, torch.tensor(r.behind_ids)
         start = torch.tensor([[backend.dcache.length[sl.start + j]] for j in range(len(rows))])
-        h, _, top = self._timed("draft", rows, backend.draft_forward, sl, hidden, ids, start + torch.arange(M),
-                                None, True, 1)
+        h, logp, top = self._timed("draft", rows, backend.draft_forward, sl, hidden, ids, start + torch.arange(M),
+                                   None, True, self.schedule.top_k)
         for j, (r, n) in enumerate(zip(rows, lens)):
             backend.dcache.commit(sl.start + j, torch.arange(n))
             if n:
-                r.seed = (h[j, n - 1], int(top[j, n - 1, 0]))
+                r.seed = (h[j, n - 1], logp[j, n - 1], top[j, n - 1])
                 r.behind_feats, r.behind_ids = [], []
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -412,6 +495,8 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
     """Measure, for each batch size B, aggregate tokens/s of vanilla batching and of each chain with B requests in
     flight (prompts cycled; candidates interleaved per size), and keep the fastest at each B: vanilla unless a chain
     beats it there, so the schedule never runs speculation where it measured slower than vanilla batching.
+    Dynamic trees are not among the candidates: each would add a full pass over every size to the tuning time, and
+    a schedule with one can be given by hand (Schedule.parse).
     `backend`: a batched backend with at least max(sizes) slots. -> (schedule, {B: {tree: tokens/s}})."""
     candidates = [None] + [TreeConfig.chain(k) for k in chains] if backend.draft_kind else [None]
     table: dict[int, dict[str, float]] = {}

@@ -7,7 +7,9 @@ where a request decoded alone keeps them; a forward writes its N new rows after 
 rows, and each row's mask hides everything past its own rows (trailing padding up to the longest row).
 
 Forwards take `rows`, a slice of slots: the batch (0..B) or one slot (a request's prefill, run alone). Masks
-cover the uncommitted rows of each row ([B, N, pending + N] bool, None = causal), as in runtime/backend.py.
+cover the uncommitted rows of each row ([B, N, pending + N] bool, None = causal), as in runtime/backend.py; every
+row of a masked forward has the same pending count (a tree's earlier draft levels, or none when verifying), and its
+own mask over them (each request's own tree).
 
 Numerics (fp32, measured on the embedded default model): a row's logits inside a batched forward are not bit-identical
 to the same row decoded alone, on either backend. PyTorch CPU GEMMs pick kernels by the number of rows M (M = 1,
@@ -73,6 +75,15 @@ class SlotCache:
         self.length[slot] += n
         self.pending[slot] = 0
 
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` rows per slot, keeping every slot's rows."""
+        if capacity <= self.capacity:
+            return
+        pad = (0, 0, 0, capacity - self.capacity)          # the capacity axis is the second to last
+        self.k = torch.nn.functional.pad(self.k, pad)
+        self.v = torch.nn.functional.pad(self.v, pad)
+        self.capacity = capacity
+
     def rollback(self, rows: slice) -> None:
         for s in range(rows.start, rows.stop):
             self.pending[s] = 0
@@ -110,11 +121,18 @@ class SlotBackend:
     def _allocate(self, backend, slots: int, extra_rows: int, draft_kv: tuple[int, int] | None) -> None:
         """`draft_kv`: the draft's (kv heads, head dim), None without a head; `extra_rows`: room for one tree."""
         self.spec, self.draft_kind, self.dtype = backend.spec, backend.draft_kind, backend.dtype
+        self.exact_trees = getattr(backend, "exact_trees", None)     # "chain": the engine is exact with chains only
         self.slots = slots
         s, dt = self.spec, DTYPES[backend.dtype]
         cap = s.max_context + extra_rows
         self.tcache = SlotCache(s.num_layers, slots, s.num_kv_heads, s.head_dim, cap, dt)
         self.dcache = SlotCache(1, slots, *draft_kv, cap, dt) if draft_kv is not None else None
+
+    def reserve_draft_rows(self, rows: int) -> None:
+        """Room in the draft cache for `rows` rows past the context: a dynamic tree writes TOPK draft rows per level,
+        which can be more than the target's `extra_rows` (the verified tree's nodes)."""
+        if self.dcache is not None:
+            self.dcache.grow(self.spec.max_context + rows)
 
     @property
     def slot_bytes(self) -> int:

@@ -12,15 +12,19 @@ import random
 import pytest
 import torch
 from eaglex.models.target import causal_mask
+from eaglex.runtime import batch as batch_mod
 from eaglex.runtime.batch import BatchedGenerator, Schedule
-from eaglex.runtime.batch_backend import TorchBatchBackend
+from eaglex.runtime.batch_backend import TorchBatchBackend, batch_backend
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.torch_backend import TorchBackend
-from eaglex.runtime.types import SamplingConfig
+from eaglex.runtime.types import SamplingConfig, TreeConfig
+from eaglex.runtime.verify import verify_greedy
 
 MAX_NEW = 40
-SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla")
+# vanilla, chains and dynamic trees, mixed by batch size (with slots=5 every batch size up to 5 occurs)
+MIXED = "1:dynamic:8/4/3,2:dynamic:6/3/2,4:chain:2"
+SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4")
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +56,14 @@ def _staggered(gen: BatchedGenerator, prompts, max_new, rng, **kw):
 def test_batched_greedy_equals_alone_vanilla(name, schedule, backends, alone, prompts):
     rng = random.Random(f"{name}{schedule}")
     max_new = [rng.choice([1, 7, MAX_NEW]) for _ in prompts]
-    gen = BatchedGenerator(TorchBatchBackend(backends[name], slots=5, extra_rows=8), Schedule.parse(schedule))
+    s = Schedule.parse(schedule)
+    gen = BatchedGenerator(TorchBatchBackend(backends[name], slots=5, extra_rows=s.max_nodes), s)
     reqs = _staggered(gen, prompts, max_new, rng)
     assert [r.index for r in reqs] == list(range(len(prompts)))
     for r, want, n in zip(reqs, alone[name], max_new):
         assert r.done and r.error is None
         assert r.result.output_ids == want[:n], (r.index, schedule)
-    if "chain" in schedule:
+    if schedule != "1:vanilla":
         assert sum(sum(r.result.accept_lengths) for r in reqs) > 1.5 * sum(r.result.cycles for r in reqs)
 
 
@@ -95,7 +100,7 @@ def test_cancelled_and_failing_requests_leave_the_others_exact(backends, alone, 
             assert r.error is None and r.result.output_ids == alone[name][i], i
 
 
-@pytest.mark.parametrize("schedule", ["1:vanilla", "1:chain:3"])
+@pytest.mark.parametrize("schedule", ["1:vanilla", "1:chain:3", "1:dynamic:8/4/3"])
 def test_sampling_is_reproducible_from_the_seed_whatever_the_batch(schedule, backends, prompts):
     """A request's sampled output depends on its seed only: alone (single-request generator), in a small batch and
     in a full one with other requests (other seeds, other settings) it is the same."""
@@ -107,7 +112,7 @@ def test_sampling_is_reproducible_from_the_seed_whatever_the_batch(schedule, bac
                                                                                                         MAX_NEW)
     outs = []
     for others in (0, 3, 9):
-        gen = BatchedGenerator(TorchBatchBackend(b, slots=8, extra_rows=4), Schedule.parse(schedule))
+        gen = BatchedGenerator(TorchBatchBackend(b, slots=8, extra_rows=8), Schedule.parse(schedule))
         rng = random.Random(others)
         for j in range(others):
             gen.submit(prompts[j + 6], MAX_NEW, SamplingConfig(temperature=rng.choice([0.0, 0.7, 1.3]), seed=j))
@@ -123,10 +128,21 @@ def test_schedule_grammar():
     assert str(s) == "1:chain:4,4:chain:2,8:vanilla" and Schedule.parse(str(s)) == s
     assert [str(s.tree(b) or "vanilla") for b in (1, 3, 4, 7, 8, 32)] == ["chain:4"] * 2 + ["chain:2"] * 2 + \
         ["vanilla"] * 2
-    assert s.max_nodes == 5
-    for bad in ("2:chain:3", "1:chain:3,1:vanilla", "1:dynamic:16/6/4", "x", "1:chain"):
+    assert (s.max_nodes, s.draft_rows, s.top_k) == (5, 5, 1)
+    d = Schedule.parse("1:dynamic:16/6/4,2:chain:3,4:vanilla")
+    assert str(d) == "1:dynamic:16/6/4,2:chain:3,4:vanilla" and d.tree(3) == TreeConfig.chain(3)
+    assert (d.max_nodes, d.draft_rows, d.top_k) == (16, 20, 4)    # 5 draft levels of 4 rows after the first
+    for bad in ("2:chain:3", "1:chain:3,1:vanilla", "1:static", "x", "1:chain"):
         with pytest.raises(ValueError):
             Schedule.parse(bad)
+
+
+def test_chain_only_engines_refuse_dynamic_schedules(backends):
+    bb = TorchBatchBackend(backends["llama/eagle3"], slots=2, extra_rows=8)
+    bb.exact_trees = "chain"                      # what an int8 engine's exactness rules say
+    BatchedGenerator(bb, Schedule.parse("1:chain:3"))
+    with pytest.raises(ValueError, match="chain trees only"):
+        BatchedGenerator(bb, Schedule.parse("1:chain:3,2:dynamic:8/4/3"))
 
 
 def test_slot_memory_is_reported(backends):
@@ -134,6 +150,112 @@ def test_slot_memory_is_reported(backends):
     s = bb.spec
     target = 2 * s.num_layers * s.num_kv_heads * (s.max_context + 4) * s.head_dim * 4
     assert bb.slot_bytes > target and bb.tcache.slot_bytes == target
+
+
+# ------------------------------------------------------------------------------------------------ dynamic trees
+
+def _swap_two_best(draft_forward):
+    """A draft whose two best guesses trade places (scores stay in order): where the real draft is right, the
+    target's token is now a second child, so accepted paths run through side branches of the trees."""
+    def swapped(*args):
+        h, logp, ids = draft_forward(*args)
+        return h, logp, ids[..., [1, 0] + list(range(2, ids.shape[-1]))]
+    return swapped
+
+
+@pytest.mark.parametrize("name", ["llama/eagle3", "qwen2/eagle1", "ort"])
+def test_tree_steps_accept_side_branches_and_commit_exactly_the_accepted_path(name, backends, prompts, monkeypatch,
+                                                                              request):
+    """Every cached target row of every request equals that row of its own context decoded alone, after every
+    step, and every output is the vanilla one; the accepted paths leave the draft's top-1 line and skip node
+    indices, so a wrong ancestor mask or a commit of the wrong rows fails here. Torch over both fixtures, and
+    the ONNX Runtime engine."""
+    single = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
+    verdicts = []
+
+    def recording(tree, logits):
+        v = verify_greedy(tree, logits)
+        verdicts.append((tree, v))
+        return v
+    monkeypatch.setattr(batch_mod, "verify_greedy", recording)
+    s = Schedule.parse("1:dynamic:8/4/3,3:dynamic:10/3/4")
+    bb = batch_backend(single, 4, s.max_nodes)
+    bb.draft_forward = _swap_two_best(bb.draft_forward)
+    gen = BatchedGenerator(bb, s)
+    rng = random.Random(0)
+    todo = list(enumerate(prompts[:10]))
+    reqs, max_new = [], [rng.choice([5, 20, MAX_NEW]) for _ in todo]
+    want = [VanillaGenerator(single).generate(p, n).output_ids for (_, p), n in zip(todo, max_new)]
+    while todo or not gen.idle:
+        if todo and rng.random() < 0.5:
+            i, p = todo.pop(0)
+            reqs.append(gen.submit(p, max_new[i]))
+        gen.step()
+        for slot, r in enumerate(gen.active):
+            context = r.input_ids + r.result.output_ids[:r.length - len(r.input_ids)]
+            assert len(context) == r.length == bb.tcache.length[slot]
+            one = batch_backend(single, 1)        # the context decoded alone in one forward: its keys and values
+            one.target_forward(slice(0, 1), torch.tensor([context]), torch.arange(len(context))[None])
+            for mine, ref in ((bb.tcache.k, one.tcache.k), (bb.tcache.v, one.tcache.v)):
+                assert torch.allclose(mine[:, slot, :, :r.length], ref[:, 0, :, :r.length], atol=1e-4), r.index
+    for r in reqs:
+        assert r.error is None and r.result.output_ids == want[r.index], r.index
+    assert all(not torch.equal(t.parents[1:], torch.arange(t.size - 1)) for t, _ in verdicts)   # real trees
+    first_child = lambda t, n: int((t.parents == t.parents[n]).nonzero()[0]) == n
+    side = [v for t, v in verdicts if any(not first_child(t, int(n)) for n in v.nodes[1:])]
+    gaps = [v for _, v in verdicts if not torch.equal(v.nodes, torch.arange(v.nodes.shape[0]))]
+    assert len(side) >= 10 and len(gaps) >= 10, (len(side), len(gaps), len(verdicts))
+
+
+@pytest.mark.parametrize("name", ["llama/eagle3", "ort"])
+def test_a_tree_in_the_slots_drafts_what_the_single_request_drafter_drafts(name, backends, prompts, monkeypatch,
+                                                                          request):
+    """The batched draft levels (each row masked to its own request's tree) grow, cycle by cycle, the very trees
+    Drafter grows for the request alone (tokens and shape), for a request alone in the slots and inside a batch."""
+    from eaglex.runtime import generate as generate_mod
+    b = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
+    tree = TreeConfig.parse("dynamic:10/4/3")
+    picks = prompts[:4]
+    alone = []
+    for p in picks:
+        log = []
+
+        def recording(t, logits, log=log):
+            log.append((t.tokens.tolist(), t.parents.tolist()))
+            return verify_greedy(t, logits)
+        monkeypatch.setattr(generate_mod, "verify_greedy", recording)
+        alone.append((SpeculativeGenerator(b, tree).generate(p, MAX_NEW), log))
+    accept = BatchedGenerator._accept
+    for size in (1, 4):
+        logs = {}
+
+        def recording_accept(self, trees, logits, feats, logs=logs):
+            for r, t in zip(self.active, trees):
+                logs.setdefault(r.index, []).append((t.tokens.tolist(), t.parents.tolist()))
+            accept(self, trees, logits, feats)
+        monkeypatch.setattr(BatchedGenerator, "_accept", recording_accept)
+        gen = BatchedGenerator(batch_backend(b, size, tree.max_nodes), Schedule.fixed(tree))
+        reqs = [gen.submit(p, MAX_NEW) for p in picks]
+        gen.run()
+        for r, (w, log) in zip(reqs, alone):
+            assert r.result.output_ids == w.output_ids
+            assert r.result.accept_lengths == w.accept_lengths, (size, r.index)
+            assert logs.get(r.index, []) == log, (size, r.index)
+
+
+def test_a_dynamic_tree_near_the_context_end(backends):
+    """Draft levels write more rows than the verified tree has nodes (dynamic:4/4/3: 9 draft rows, 4 nodes): the
+    draft cache makes room past the context, and requests still stop where vanilla decoding stops."""
+    b = backends["qwen2/eagle1"]
+    ctx = b.spec.max_context
+    g = torch.Generator().manual_seed(3)
+    picks = [torch.randint(0, b.spec.vocab_size, (n,), generator=g).tolist() for n in (ctx - 9, ctx - 4, 30)]
+    s = Schedule.parse("1:dynamic:4/4/3")
+    gen = BatchedGenerator(TorchBatchBackend(b, slots=3, extra_rows=s.max_nodes), s)
+    reqs = [gen.submit(p, 20) for p in picks]
+    gen.run()
+    for r, p in zip(reqs, picks):
+        assert r.error is None and r.result.output_ids == VanillaGenerator(b).generate(p, 20).output_ids
 
 
 # ------------------------------------------------------------------------------------------------ numerics
@@ -178,7 +300,7 @@ def ort_engine(models, tmp_path_factory):
     return open_engine(out)
 
 
-@pytest.mark.parametrize("schedule", ["1:chain:3", "1:chain:5,3:chain:2,6:vanilla"])
+@pytest.mark.parametrize("schedule", ["1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED])
 def test_ort_batched_greedy_equals_ort_alone_vanilla(schedule, ort_engine, prompts):
     want = [VanillaGenerator(ort_engine.backend).generate(p, MAX_NEW).output_ids for p in prompts]
     rng = random.Random(schedule)
@@ -186,6 +308,21 @@ def test_ort_batched_greedy_equals_ort_alone_vanilla(schedule, ort_engine, promp
     reqs = _staggered(ort_engine.batcher(5, Schedule.parse(schedule)), prompts, max_new, rng)
     for r, w, n in zip(reqs, want, max_new):
         assert r.error is None and r.result.output_ids == w[:n], r.index
+
+
+def test_ort_sampling_through_dynamic_trees_is_reproducible_whatever_the_batch(ort_engine, prompts):
+    """A sampled request drawing through a fixed dynamic tree decodes the same alone (single-request generator)
+    and batched with other requests of other seeds and settings."""
+    tree = TreeConfig.parse("dynamic:8/4/3")
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95, seed=99)
+    want = SpeculativeGenerator(ort_engine.backend, tree, cfg).generate(prompts[7], MAX_NEW).output_ids
+    for others in (0, 4):
+        gen = ort_engine.batcher(6, Schedule.fixed(tree), solo=False)
+        for j in range(others):
+            gen.submit(prompts[j + 8], MAX_NEW, SamplingConfig(temperature=[0.0, 0.7][j % 2], seed=j))
+        req = gen.submit(prompts[7], MAX_NEW, cfg)
+        gen.run()
+        assert req.result.output_ids == want, others
 
 
 def test_engine_generate_batch_matches_one_at_a_time(ort_engine, prompts):
@@ -202,7 +339,6 @@ def test_engine_generate_batch_matches_one_at_a_time(ort_engine, prompts):
 def test_ort_rows_bit_identical_only_when_unpadded(ort_engine):
     """Measured: MLAS GEMMs are row-invariant, so the row as long as the batch's longest is bit-identical to the
     row alone; shorter rows (masked padding columns in attention) round differently, within 1e-4."""
-    from eaglex.runtime.batch_backend import batch_backend
     s = ort_engine.spec
     g = torch.Generator().manual_seed(0)
     N = 4
