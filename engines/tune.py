@@ -10,12 +10,10 @@ import platform
 import sys
 
 from eaglex.runtime.autotune import autotune
-from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, tune_schedule
+from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, BATCH_TOKENS, tune_schedule
 from eaglex.runtime.batch_backend import batch_backend
 from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.manifest import read_manifest, write_manifest
-
-TUNE_TOKENS = 24          # tune_schedule's new tokens per request (its default)
 
 
 def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print) -> None:
@@ -62,7 +60,7 @@ def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, w
         return
     log("tuning in-flight batching (vanilla vs chains at 1, 2, 4, 8, 16 requests) ...")
     # slots as long as the tuning requests need: the model's whole context in every slot could exceed the memory
-    context = max(len(p) for p in prompts) + TUNE_TOKENS
+    context = max(len(p) for p in prompts) + BATCH_TOKENS
     backend = batch_backend(BoundedContext(engine.backend, min(context, engine.spec.max_context)), max(BATCH_SIZES),
                             max(BATCH_CHAINS) + 1)
     schedule, table = tune_schedule(backend, prompts)

@@ -487,10 +487,11 @@ class BatchedGenerator:
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 BATCH_CHAINS = (1, 2, 3, 4)
+BATCH_TOKENS = 24              # new tokens per request while tuning
 
 
 def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BATCH_SIZES,
-                  chains: tuple[int, ...] = BATCH_CHAINS, max_new_tokens: int = 24
+                  chains: tuple[int, ...] = BATCH_CHAINS, max_new_tokens: int = BATCH_TOKENS
                   ) -> tuple[Schedule, dict[int, dict[str, float]]]:
     """Measure, for each batch size B, aggregate tokens/s of vanilla batching and of each chain with B requests in
     flight (prompts cycled; candidates interleaved per size), and keep the fastest at each B: vanilla unless a chain

@@ -9,7 +9,7 @@ On a GPU provider (`providers`, see ort_session.choose_providers) the KV values 
 device memory and stay there; logits, features and the draft's top-k come back to the host, where the loop reads
 them (the tensors this backend returns are always on the CPU: `device`).
 
-An engine may carry `exactness` rules in its manifest (int8 engines: engines/quantize.py): `min_rows` pads every
+An engine may carry `exactness` rules in its manifest (int8 and FP8 engines: engines/quantize.py): `min_rows` pads every
 target call to that many rows (extra rows repeat the last token one position further and are never committed),
 `kv_holes: false` compacts the target cache instead of leaving rejected rows as holes, `trees` names the only tree
 kind whose output stays exact (`exact_trees`, checked by the generator), `batching: false` keeps requests apart.

@@ -54,9 +54,9 @@ class OrtKVCache:
         """`providers`: the engine's (runtime/ort_session.choose_providers); on a GPU provider the values live in
         device memory (the graphs' present_* outputs and the gathers are bound there) and never cross to the host.
         `holes=False`: every commit that is not all pending rows in order compacts, so a row's index in the cache
-        is its position (int8 engines need it for exactness: runtime/ort_backend.py)."""
+        is its position (quantized engines need it for exactness: runtime/ort_backend.py)."""
         self.count, self.heads, self.dim, self.dtype = count, num_kv_heads, head_dim, dtype
-        self.holes = holes
+        self.allow_holes = holes
         self.device = provider_device(providers)
         self.gather = gather_session(count, dtype, providers)
         self.capacity = 0
@@ -112,7 +112,7 @@ class OrtKVCache:
             new[keep_np] = True
             valid = np.concatenate([self.valid, new])
             holes = valid.shape[0] - (self.length + n)
-            if self.holes and holes <= max(HOLES_MIN, (self.length + n) // HOLES_SHARE):
+            if self.allow_holes and holes <= max(HOLES_MIN, (self.length + n) // HOLES_SHARE):
                 self.committed, self.valid = self.current, valid      # rejected rows stay as masked holes
             else:
                 self._compact(np.flatnonzero(valid))

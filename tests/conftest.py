@@ -28,3 +28,17 @@ def models(tmp_path_factory):
 def prompts():
     """24 prompts of 1..40 tokens over the fixtures' 48-token vocabulary."""
     return make_prompts(24, 48, seed=1)
+
+
+@pytest.fixture()
+def trees_run(monkeypatch):
+    """Every tree a SpeculativeGenerator is built with during the test."""
+    import eaglex.runtime.generate as generate_mod
+    seen = []
+    real = generate_mod.SpeculativeGenerator.__init__
+
+    def spy(self, backend, tree, *args, **kwargs):
+        seen.append(tree)
+        real(self, backend, tree, *args, **kwargs)
+    monkeypatch.setattr(generate_mod.SpeculativeGenerator, "__init__", spy)
+    return seen

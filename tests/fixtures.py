@@ -600,3 +600,10 @@ def make_eagle1_head(target_dir, out_dir, fmt: str = "bin", seed: int = 0, qkv_b
     _write_json(out / "config.json", cfg)
     _save_state_dict(sd, out, fmt)
     return out
+
+
+def write_prompt_file(tmp_path: Path, prompts: list[list[int]], n: int) -> Path:
+    """The first `n` prompts as an `--prompts` JSONL file ({"input_ids": [...]} per line) in tmp_path."""
+    f = Path(tmp_path) / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
+    return f

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-import eaglex.runtime.generate as generate_mod
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.engines.triton.loader import load
@@ -17,6 +16,8 @@ from eaglex.runtime.equivalence import chi2_sf, chi_square
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.sampling import derive_seed
 from eaglex.runtime.types import SamplingConfig, TreeConfig
+
+from fixtures import write_prompt_file
 
 TUNED = TreeConfig.parse("chain:2")
 
@@ -43,25 +44,6 @@ def tuned(engine_dir, monkeypatch, prompts):
     return engine_dir
 
 
-@pytest.fixture()
-def trees_run(monkeypatch):
-    """Every tree a SpeculativeGenerator is built with."""
-    seen = []
-    real = generate_mod.SpeculativeGenerator.__init__
-
-    def spy(self, backend, tree, *args, **kwargs):
-        seen.append(tree)
-        real(self, backend, tree, *args, **kwargs)
-    monkeypatch.setattr(generate_mod.SpeculativeGenerator, "__init__", spy)
-    return seen
-
-
-def _prompts(tmp_path, prompts, n=3):
-    f = tmp_path / "p.jsonl"
-    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
-    return f
-
-
 def test_build_writes_a_default_tree_and_tuning_overwrites_it(engine_dir, tuned):
     m = read_manifest(tuned)
     assert m["tree"] == "chain:2" and m["method"] == "eagle3"
@@ -70,13 +52,13 @@ def test_build_writes_a_default_tree_and_tuning_overwrites_it(engine_dir, tuned)
 
 
 def test_generate_runs_the_tuned_tree(tuned, trees_run, tmp_path, prompts):
-    assert main(["generate", "--engine", str(tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+    assert main(["generate", "--engine", str(tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 3)),
                  "--max-new-tokens", "8", "--out", str(tmp_path / "o.jsonl")]) == 0
     assert trees_run and set(trees_run) == {TUNED}
 
 
 def test_check_runs_the_tuned_tree(tuned, trees_run, tmp_path, prompts, capsys):
-    assert main(["check", "--engine", str(tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+    assert main(["check", "--engine", str(tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 3)),
                  "--max-new-tokens", "8"]) == 0
     assert set(trees_run) == {TUNED} and "tree chain:2" in capsys.readouterr().out
 
@@ -89,7 +71,7 @@ def test_triton_loader_runs_the_tuned_tree(tuned):
 
 
 def test_bench_auto_is_the_tuned_tree(tuned, tmp_path, prompts, capsys):
-    assert main(["bench", "--engine", str(tuned), "--prompts", str(_prompts(tmp_path, prompts, 2)), "--trees",
+    assert main(["bench", "--engine", str(tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 2)), "--trees",
                  "auto", "--max-new-tokens", "6", "--out", str(tmp_path / "b.json")]) == 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [r["tree"] for r in rows] == ["-", "chain:2 (tuned)"]
@@ -97,8 +79,8 @@ def test_bench_auto_is_the_tuned_tree(tuned, tmp_path, prompts, capsys):
 
 
 def test_explicit_tree_wins(tuned, trees_run, tmp_path, prompts):
-    assert main(["generate", "--engine", str(tuned), "--prompts", str(_prompts(tmp_path, prompts)), "--tree",
-                 "dynamic:8/4/3", "--max-new-tokens", "4", "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert main(["generate", "--engine", str(tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 3)),
+                 "--tree", "dynamic:8/4/3", "--max-new-tokens", "4", "--out", str(tmp_path / "o.jsonl")]) == 0
     assert set(trees_run) == {TreeConfig.parse("dynamic:8/4/3")}
 
 

@@ -31,6 +31,8 @@ from eaglex.runtime.ort_session import use_global_pool
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
+from fixtures import write_prompt_file
+
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
 needs_modelopt = pytest.mark.skipif(not HAVE_MODELOPT, reason="nvidia-modelopt is not installed "
                                                                "(pip install 'eaglex[quant]')")
@@ -279,14 +281,8 @@ def test_int8_target_graph_runs_close_to_fp32(float_engine, models, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- engines
 
-def _prompt_file(tmp_path, prompts, n=4):
-    f = tmp_path / "prompts.jsonl"
-    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
-    return f
-
-
 def _check_engine(engine, tmp_path, prompts, capsys, *options):
-    rc = main(["check", "--engine", str(engine), "--prompts", str(_prompt_file(tmp_path, prompts)),
+    rc = main(["check", "--engine", str(engine), "--prompts", str(write_prompt_file(tmp_path, prompts, 4)),
                "--max-new-tokens", "24", *options])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -305,10 +301,10 @@ def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     assert m["exactness"] == {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
     assert m["tree"] == "chain:2"           # not the float engine's tree: a chain, until tuning measures one
     b = OrtBackend(e)                                               # hashes match the new manifest
-    assert (b.min_rows, b.tcache.holes, b.exact_trees, b.batch_exact) == (2, False, "chain", False)
+    assert (b.min_rows, b.tcache.allow_holes, b.exact_trees, b.batch_exact) == (2, False, "chain", False)
     for tree in ("chain:1", "chain:3"):
         _check_engine(e, tmp_path, prompts, capsys, "--tree", tree)
-    assert main(["check", "--engine", str(e), "--prompts", str(_prompt_file(tmp_path, prompts)),
+    assert main(["check", "--engine", str(e), "--prompts", str(write_prompt_file(tmp_path, prompts, 4)),
                  "--tree", "dynamic:8/4/2"]) == 2
     assert "chain trees only" in capsys.readouterr().err
     eng = open_engine(e, tree=TreeConfig.parse("chain:2"))

@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 import eaglex.engines.tune as tune_mod
-import eaglex.runtime.generate as generate_mod
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.engines.triton.loader import load
@@ -20,6 +19,8 @@ from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
+
+from fixtures import write_prompt_file
 
 BEST = TreeConfig.parse("chain:2")           # no default uses it: the tree an entry point runs says where it came from
 OTHER = TreeConfig.parse("dynamic:8/4/3")
@@ -136,39 +137,20 @@ def vanilla_tuned(fresh, measured, prompts):
     return fresh
 
 
-@pytest.fixture()
-def trees_run(monkeypatch):
-    """Every tree a SpeculativeGenerator is built with."""
-    seen = []
-    real = generate_mod.SpeculativeGenerator.__init__
-
-    def spy(self, backend, tree, *args, **kwargs):
-        seen.append(tree)
-        real(self, backend, tree, *args, **kwargs)
-    monkeypatch.setattr(generate_mod.SpeculativeGenerator, "__init__", spy)
-    return seen
-
-
-def _prompts(tmp_path, prompts, n=2):
-    f = tmp_path / "p.jsonl"
-    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
-    return f
-
-
 @pytest.mark.parametrize("flags,trees", [([], set()), (["--method", "eagle3"], {BEST}), (["--tree", "chain:3"],
                                                                                          {TreeConfig.chain(3)})])
 def test_generate_runs_vanilla_unless_told_otherwise(flags, trees, vanilla_tuned, trees_run, tmp_path, prompts):
-    assert main(["generate", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+    assert main(["generate", "--engine", str(vanilla_tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 2)),
                  "--max-new-tokens", "4", "--out", str(tmp_path / "o.jsonl"), *flags]) == 0
     assert set(trees_run) == trees
 
 
 def test_check_still_checks_the_heads_tree(vanilla_tuned, trees_run, tmp_path, prompts, capsys):
-    assert main(["check", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+    assert main(["check", "--engine", str(vanilla_tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 2)),
                  "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr()
     assert set(trees_run) == {BEST} and "eagle3, tree chain:2" in out.out and "runs vanilla by default" in out.err
-    assert main(["check", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)),
+    assert main(["check", "--engine", str(vanilla_tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 2)),
                  "--method", "vanilla"]) != 0                               # vanilla asked for: nothing to check
 
 
@@ -179,8 +161,8 @@ def test_triton_loader_runs_vanilla(vanilla_tuned):
 
 
 def test_bench_shows_vanilla_and_the_kept_tree(vanilla_tuned, tmp_path, prompts):
-    assert main(["bench", "--engine", str(vanilla_tuned), "--prompts", str(_prompts(tmp_path, prompts)), "--trees",
-                 "auto", "--max-new-tokens", "4", "--out", str(tmp_path / "b.json")]) == 0
+    assert main(["bench", "--engine", str(vanilla_tuned), "--prompts", str(write_prompt_file(tmp_path, prompts, 2)),
+                 "--trees", "auto", "--max-new-tokens", "4", "--out", str(tmp_path / "b.json")]) == 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [(r["method"], r["tree"]) for r in rows] == [("vanilla", "-"), ("eagle3", "chain:2 (tuned: vanilla faster)")]
 
