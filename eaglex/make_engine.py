@@ -33,7 +33,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
         engine = open_engine(out, device=device, providers=providers)
     else:
         engine = open_models(target_dir, draft_dir, device=device)
-    prompts, texts = preset_prompts(preset, engine)
+    prompts, demo_prompt, demo_text = check_and_demo(preset, *preset_prompts(preset, engine))
     from eaglex.engines.tune import tune_engine
     tune_engine(engine, prompts, force=force)
     # where tuning chose vanilla the head's tree is still checked: its losslessness is a promise of the engine
@@ -47,7 +47,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
     if bad:
         print(f"eaglex: error: speculative output differs from vanilla on prompts {bad}", file=sys.stderr)
         return 1
-    demo(engine, prompts[preset.demo_prompt], demo_tokens, texts[preset.demo_prompt])
+    demo(engine, demo_prompt, demo_tokens, demo_text)
     return 0
 
 
@@ -66,13 +66,19 @@ def _build_onnx(target_dir, draft_dir, out: Path, force: bool) -> None:
         print(f"reusing {out} (pass --force or `make engine FORCE=1` to rebuild)")
 
 
+def check_and_demo(preset: Preset, prompts: list, texts: list) -> tuple[list, list[int], str | None]:
+    """(the prompts `make engine` checks and tunes on: the first check_prompts, the demo's prompt, its text). The
+    demo may be any prompt of the file, not only a checked one."""
+    return prompts[:preset.check_prompts or None], prompts[preset.demo_prompt], texts[preset.demo_prompt]
+
+
 def preset_prompts(preset: Preset, engine) -> tuple[list[list[int]], list[str | None]]:
-    """The preset's own held-out prompts (never trained on; the first `check_prompts` of them), else the built-in
-    ones; with each prompt's text when the file has it (a chat prompt's user message, for the demo)."""
+    """The preset's own held-out prompts (never trained on), else the built-in ones; with each prompt's text when
+    the file has it (a chat prompt's user message, for the demo)."""
     tok = engine.tokenizer
     prompt_file = REPO_ROOT / preset.prompts if preset.prompts else None
     if prompt_file is not None and prompt_file.is_file():
-        records = read_records(prompt_file)[:preset.check_prompts or None]
+        records = read_records(prompt_file)
         return ([encode(r, tok, False, where) for where, r in records],
                 [r.get("prompt") if "input_ids" in r else None for _, r in records])
     if tok:
@@ -127,7 +133,7 @@ def _trtllm(preset: Preset, target_dir, draft_dir, out: Path, force: bool) -> in
               f"with it ({preset.hardware}); the bundle is ready to copy there")
         return 0
     engine = open_engine(out)
-    prompts = preset_prompts(preset, engine)
+    prompts = check_and_demo(preset, *preset_prompts(preset, engine))[0]
     t = time.perf_counter()
     rows = engine.check(prompts, 64)
     bad = sum(not r["identical"] for r in rows)

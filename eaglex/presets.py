@@ -92,7 +92,7 @@ class Preset:
     gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
     gpu_example: str = ""       # a GPU setup that fits, for messages
     check_prompts: int = 0      # how many of `prompts` `make engine` checks and tunes on (0: all)
-    demo_prompt: int = 0        # which of them the demo answers (one whose greedy answer reads well)
+    demo_prompt: int = 0        # which of `prompts` the demo answers (one whose greedy answer reads well)
     package: tuple[str, str] | None = None   # (pip requirement, module): `target_repo` is a file of that package
 
 

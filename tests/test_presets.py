@@ -15,6 +15,27 @@ def test_every_preset_names_its_hardware():
         assert p.hardware and p.target_repo and p.draft_repo
 
 
+def test_check_and_demo_prompts_come_from_the_whole_prompt_file():
+    """`make engine` checks the first check_prompts prompts and demos demo_prompt, which may lie beyond them (the
+    default's demo prompt 72 once indexed the 16 checked prompts: `make engine` ended with an IndexError)."""
+    from dataclasses import replace
+
+    from eaglex.make_engine import check_and_demo
+    from eaglex.presets import REPO_ROOT
+    for p in PRESETS.values():
+        if p.prompts is None:
+            continue
+        lines = [ln for ln in (REPO_ROOT / p.prompts).read_text().splitlines() if ln.strip()]
+        assert p.demo_prompt < len(lines) and p.check_prompts <= len(lines), p.name
+    every = [[i] for i in range(20)]
+    texts = [f"q{i}" for i in range(20)]
+    smol = get_preset("smollm2-135m")
+    for check, demo in ((4, 10), (0, 3), (16, 0)):
+        preset = replace(smol, check_prompts=check, demo_prompt=demo)
+        prompts, demo_ids, demo_text = check_and_demo(preset, every, texts)
+        assert prompts == every[:check or None] and (demo_ids, demo_text) == ([demo], f"q{demo}")
+
+
 def test_unknown_preset():
     with pytest.raises(ModelError, match="unknown MODEL=nope; presets: smollm2-135m, tiny"):
         get_preset("nope")
