@@ -58,7 +58,7 @@ def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, w
     if not getattr(engine.backend, "batch_exact", True):
         log("in-flight batching: off for this engine (its exactness rules keep requests apart)")
         return
-    log("tuning in-flight batching (vanilla vs chains at 1, 2, 4, 8, 16 requests) ...")
+    log("tuning in-flight batching (vanilla vs chains at 1, 2, 4, 8, 16 requests, until vanilla wins) ...")
     # slots as long as the tuning requests need: the model's whole context in every slot could exceed the memory
     context = max(len(p) for p in prompts) + BATCH_TOKENS
     backend = batch_backend(BoundedContext(engine.backend, min(context, engine.spec.max_context)), max(BATCH_SIZES),

@@ -493,15 +493,14 @@ BATCH_TOKENS = 24              # new tokens per request while tuning
 def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BATCH_SIZES,
                   chains: tuple[int, ...] = BATCH_CHAINS, max_new_tokens: int = BATCH_TOKENS
                   ) -> tuple[Schedule, dict[int, dict[str, float]]]:
-    """Measure, for each batch size B, aggregate tokens/s of vanilla batching and of each chain with B requests in
-    flight (prompts cycled; candidates interleaved per size), and keep the fastest at each B: vanilla unless a chain
-    beats it there, so the schedule never runs speculation where it measured slower than vanilla batching.
-    Dynamic trees are not among the candidates: each would add a full pass over every size to the tuning time, and
-    a schedule with one can be given by hand (Schedule.parse).
+    """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching and of each chain
+    with B requests in flight (prompts cycled; candidates interleaved per size) and pick the schedule from the
+    table (schedule_from). Once vanilla batching wins at some B, larger sizes are not measured: the schedule runs
+    vanilla there anyway. Dynamic trees are not among the candidates: each would add a full pass over every size to
+    the tuning time, and a schedule with one can be given by hand (Schedule.parse).
     `backend`: a batched backend with at least max(sizes) slots. -> (schedule, {B: {tree: tokens/s}})."""
     candidates = [None] + [TreeConfig.chain(k) for k in chains] if backend.draft_kind else [None]
     table: dict[int, dict[str, float]] = {}
-    best: list[tuple[int, TreeConfig | None]] = []
     warm = BatchedGenerator(backend, Schedule.fixed(candidates[-1]))
     warm.submit(prompts[0], 4)
     warm.run()
@@ -518,9 +517,24 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
             while gen.active:
                 done += gen.step()
             tokens += sum(len(r.result.output_ids) for r in done)
-            rates[str(tree or "vanilla")] = tokens / max(time.perf_counter() - t, 1e-9)
-        table[B] = {k: round(v, 2) for k, v in rates.items()}
-        pick = max(candidates, key=lambda t: rates[str(t or "vanilla")])
-        if not best or best[-1][1] != pick:
-            best.append((1 if not best else B, pick))
-    return Schedule(tuple(best)), table
+            rates[str(tree or "vanilla")] = round(tokens / max(time.perf_counter() - t, 1e-9), 2)
+        table[B] = rates
+        if max(rates, key=rates.get) == "vanilla":
+            break
+    return schedule_from(table), table
+
+
+def schedule_from(table: dict[int, dict[str, float]]) -> Schedule:
+    """{B: {"vanilla" | tree: tokens/s}} -> the schedule: at each measured B (ascending) the fastest candidate,
+    until the first B where vanilla batching is fastest; from there on vanilla at every size. Verification grows
+    compute-bound with the batch, so a tree that lost to vanilla at B requests does not win at more; a later
+    "win" in the table is measurement noise, and following it would flip speculation on and off as load moves."""
+    steps: list[tuple[int, TreeConfig | None]] = []
+    for B in sorted(table):
+        name = max(table[B], key=table[B].get)
+        tree = None if name == "vanilla" else TreeConfig.parse(name)
+        if not steps or steps[-1][1] != tree:
+            steps.append((1 if not steps else B, tree))
+        if tree is None:
+            break
+    return Schedule(tuple(steps) or ((1, None),))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from eaglex.models.target import causal_mask
 from eaglex.runtime import batch as batch_mod
-from eaglex.runtime.batch import BatchedGenerator, Schedule
+from eaglex.runtime.batch import BatchedGenerator, Schedule, schedule_from
 from eaglex.runtime.batch_backend import TorchBatchBackend, batch_backend
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
@@ -135,6 +135,22 @@ def test_schedule_grammar():
     for bad in ("2:chain:3", "1:chain:3,1:vanilla", "1:static", "x", "1:chain"):
         with pytest.raises(ValueError):
             Schedule.parse(bad)
+
+
+@pytest.mark.parametrize("table, expected", [
+    ({1: {"vanilla": 40, "chain:2": 50}, 2: {"vanilla": 74, "chain:2": 91}, 4: {"vanilla": 124, "chain:1": 121}},
+     "1:chain:2,4:vanilla"),
+    # a tree "winning" again after vanilla won is noise: vanilla from the first loss on
+    ({1: {"vanilla": 40, "chain:2": 50}, 4: {"vanilla": 124, "chain:1": 121}, 8: {"vanilla": 188, "chain:1": 200}},
+     "1:chain:2,4:vanilla"),
+    ({1: {"vanilla": 40, "chain:3": 50}, 2: {"vanilla": 70, "chain:3": 80, "chain:1": 85}},
+     "1:chain:3,2:chain:1"),
+    ({1: {"vanilla": 50, "chain:2": 40}, 2: {"vanilla": 70, "chain:2": 90}}, "1:vanilla"),
+    ({1: {"vanilla": 40, "chain:2": 50}, 2: {"vanilla": 70, "chain:2": 90}}, "1:chain:2"),
+    ({1: {"vanilla": 40}}, "1:vanilla"),
+])
+def test_schedule_from_a_measured_table(table, expected):
+    assert str(schedule_from(table)) == expected
 
 
 def test_chain_only_engines_refuse_dynamic_schedules(backends):
@@ -385,10 +401,14 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
     stored = read_manifest(ort_engine.path)
     schedule = Schedule.parse(stored["batch_schedule"])
     assert ort_engine.batch_schedule() == schedule
-    assert set(stored["tuning"]["batch"]) == {"1", "2", "4", "8", "16"}
-    for size, row in stored["tuning"]["batch"].items():     # the schedule runs the fastest measured candidate
+    measured = stored["tuning"]["batch"]
+    sizes = [int(b) for b in measured]
+    assert sizes == [1, 2, 4, 8, 16][:len(sizes)]              # ascending, stopped at most at the last size
+    for size, row in measured.items():                       # the schedule runs the fastest measured candidate
         pick = str(schedule.tree(int(size)) or "vanilla")
         assert row[pick] == max(row.values()), (size, row)
+    if len(sizes) < 5:                                        # measuring stopped where vanilla won: vanilla beyond
+        assert row["vanilla"] == max(row.values()) and schedule.tree(10 ** 6) is None
 
 
 # ------------------------------------------------------------------------------------------------ alone in flight
