@@ -338,7 +338,8 @@ def cmd_check(args) -> int:
         return 1 if bad else 0
     if sampling.greedy:
         rows = check_greedy(engine.backend, engine.tree, prompts, args.max_new_tokens)
-        print(format_greedy(rows, f"{engine.method}, tree {engine.tree}, {engine.backend.dtype}"))
+        weights = ((engine.manifest or {}).get("quant") or {}).get("method") or engine.backend.dtype
+        print(format_greedy(rows, f"{engine.method}, tree {engine.tree}, {weights}"))
         return 1 if any(not r.identical for r in rows) else 0
     rows = check_distribution(engine.backend, engine.tree, sampling, prompts, samples=args.samples)
     text, ok = format_distribution(rows)

@@ -519,20 +519,28 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
             tokens += sum(len(r.result.output_ids) for r in done)
             rates[str(tree or "vanilla")] = round(tokens / max(time.perf_counter() - t, 1e-9), 2)
         table[B] = rates
-        if max(rates, key=rates.get) == "vanilla":
+        if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
             break
     return schedule_from(table), table
 
 
-def schedule_from(table: dict[int, dict[str, float]]) -> Schedule:
-    """{B: {"vanilla" | tree: tokens/s}} -> the schedule: at each measured B (ascending) the fastest candidate,
-    until the first B where vanilla batching is fastest; from there on vanilla at every size. Verification grows
-    compute-bound with the batch, so a tree that lost to vanilla at B requests does not win at more; a later
-    "win" in the table is measurement noise, and following it would flip speculation on and off as load moves."""
+SCHEDULE_MARGIN = 0.05         # a tree must beat vanilla batching by this much: interleaved tuning runs differ ~±5 %
+
+
+def schedule_from(table: dict[int, dict[str, float]], margin: float = SCHEDULE_MARGIN) -> Schedule:
+    """{B: {"vanilla" | tree: tokens/s}} -> the schedule: at each measured B (ascending) the fastest tree if it beats
+    vanilla batching by more than `margin` (a smaller lead is within the measurement's noise, and speculation that
+    does not clearly pay only risks running slower than vanilla), else vanilla, and vanilla from the first such B
+    on at every larger size. Verification grows compute-bound with the batch, so a tree that lost to vanilla at B
+    requests does not win at more; a later "win" in the table is noise, and following it would flip speculation on
+    and off as load moves."""
     steps: list[tuple[int, TreeConfig | None]] = []
     for B in sorted(table):
-        name = max(table[B], key=table[B].get)
-        tree = None if name == "vanilla" else TreeConfig.parse(name)
+        rates = table[B]
+        trees = {k: v for k, v in rates.items() if k != "vanilla"}
+        best = max(trees, key=trees.get, default=None)
+        win = best is not None and trees[best] > (1 + margin) * rates.get("vanilla", 0.0)
+        tree = TreeConfig.parse(best) if win else None
         if not steps or steps[-1][1] != tree:
             steps.append((1 if not steps else B, tree))
         if tree is None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from eaglex.models.target import causal_mask
 from eaglex.runtime import batch as batch_mod
-from eaglex.runtime.batch import BatchedGenerator, Schedule, schedule_from
+from eaglex.runtime.batch import SCHEDULE_MARGIN, BatchedGenerator, Schedule, schedule_from
 from eaglex.runtime.batch_backend import TorchBatchBackend, batch_backend
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
@@ -147,6 +147,10 @@ def test_schedule_grammar():
      "1:chain:3,2:chain:1"),
     ({1: {"vanilla": 50, "chain:2": 40}, 2: {"vanilla": 70, "chain:2": 90}}, "1:vanilla"),
     ({1: {"vanilla": 40, "chain:2": 50}, 2: {"vanilla": 70, "chain:2": 90}}, "1:chain:2"),
+    # a lead within the margin (5 %) is not a win: 204 against 201 at 8 requests runs vanilla
+    ({1: {"vanilla": 40, "chain:2": 50}, 8: {"vanilla": 201, "chain:1": 204, "chain:2": 203}}, "1:chain:2,8:vanilla"),
+    ({1: {"vanilla": 100, "chain:2": 105}}, "1:vanilla"),
+    ({1: {"vanilla": 100, "chain:2": 105.1}}, "1:chain:2"),
     ({1: {"vanilla": 40}}, "1:vanilla"),
 ])
 def test_schedule_from_a_measured_table(table, expected):
@@ -404,11 +408,12 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
     measured = stored["tuning"]["batch"]
     sizes = [int(b) for b in measured]
     assert sizes == [1, 2, 4, 8, 16][:len(sizes)]              # ascending, stopped at most at the last size
-    for size, row in measured.items():                       # the schedule runs the fastest measured candidate
+    for size, row in measured.items():     # the fastest measured tree where it beats vanilla by the margin, or vanilla
         pick = str(schedule.tree(int(size)) or "vanilla")
-        assert row[pick] == max(row.values()), (size, row)
+        best = max(row.values())
+        assert row[pick] == best or (pick == "vanilla" and best <= (1 + SCHEDULE_MARGIN) * row["vanilla"]), (size, row)
     if len(sizes) < 5:                                        # measuring stopped where vanilla won: vanilla beyond
-        assert row["vanilla"] == max(row.values()) and schedule.tree(10 ** 6) is None
+        assert max(row.values()) <= (1 + SCHEDULE_MARGIN) * row["vanilla"] and schedule.tree(10 ** 6) is None
 
 
 # ------------------------------------------------------------------------------------------------ alone in flight
