@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chk)
     chk.add_argument("--prompts", type=Path, required=True)
     chk.add_argument("--samples", type=int, default=300, help="sampling check: generations per prompt")
+    chk.add_argument("--batch", type=int, default=1,
+                     help="greedy: also decode the prompts up to N at a time through the in-flight batcher (the "
+                          "engine's batch schedule) and compare each with the prompt decoded alone")
 
     eng = sub.add_parser("engine", help="what `make engine` runs: build a preset's engine, tune, check, demo")
     eng.add_argument("--model", default="smollm2-135m",
@@ -314,7 +317,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from eaglex.runtime.equivalence import check_distribution, check_greedy, format_distribution, format_greedy
+    from eaglex.runtime.equivalence import (check_distribution, check_greedy, format_batched, format_distribution,
+                                            format_greedy)
 
     engine = open_from_args(args)
     kept = getattr(engine, "kept_tree", None)          # set where tuning chose vanilla; a bundle has none
@@ -329,6 +333,11 @@ def cmd_check(args) -> int:
               f"({head.method}, tree {head.tree}) against vanilla", file=sys.stderr)
         engine = head
     sampling = sampling_from_args(args)
+    if args.batch < 1:
+        raise ModelError(f"--batch must be >= 1, got {args.batch}")
+    if args.batch > 1 and (engine.layout == "bundle" or not sampling.greedy):
+        raise ModelError("check --batch compares greedy decoding on an ONNX Runtime or PyTorch engine: "
+                         + ("drop --temperature" if not sampling.greedy else "drop --batch for a TensorRT-LLM bundle"))
     if engine.layout == "bundle":
         if not sampling.greedy:
             raise ModelError("check on a TensorRT-LLM bundle compares greedy decoding only; drop --temperature")
@@ -340,7 +349,14 @@ def cmd_check(args) -> int:
         rows = check_greedy(engine.backend, engine.tree, prompts, args.max_new_tokens)
         weights = ((engine.manifest or {}).get("quant") or {}).get("method") or engine.backend.dtype
         print(format_greedy(rows, f"{engine.method}, tree {engine.tree}, {weights}"))
-        return 1 if any(not r.identical for r in rows) else 0
+        ok = all(r.identical for r in rows)
+        if args.batch > 1:
+            batched = engine.generate(prompts, sampling, args.max_new_tokens, batch=args.batch)
+            text, batch_ok = format_batched(rows, batched, f"up to {args.batch} at a time, batch schedule "
+                                                           f"{engine.batch_schedule()}")
+            print(text)
+            ok = ok and batch_ok
+        return 0 if ok else 1
     rows = check_distribution(engine.backend, engine.tree, sampling, prompts, samples=args.samples)
     text, ok = format_distribution(rows)
     print(text)

@@ -1,7 +1,8 @@
 """Equivalence checks behind `eaglex check`: speculative against vanilla on the same backend and precision.
 
 Greedy: token-for-token identity, with the first divergence and the target's logit margin there (a tiny margin
-points at floating-point reduction order, a large one at a bug). Sampling: the emitted tokens must follow the
+points at floating-point reduction order, a large one at a bug); with `--batch N`, also each prompt decoded by the
+in-flight batcher among the others against the same prompt decoded alone by vanilla decoding. Sampling: the emitted tokens must follow the
 target's own distribution, tested per prompt with a chi-square goodness-of-fit against the exact conditional
 probabilities that the target assigns.
 """
@@ -39,15 +40,21 @@ def logit_margin(backend: Backend, context: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First position where two outputs differ (a shorter one differs where it ends); None when equal."""
+    div = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if div is None and len(a) != len(b):
+        div = min(len(a), len(b))
+    return div
+
+
 def check_greedy(backend: Backend, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int) -> list[GreedyRow]:
     vanilla, spec = VanillaGenerator(backend), SpeculativeGenerator(backend, tree)
     rows = []
     for i, p in enumerate(prompts):
         v = vanilla.generate(p, max_new_tokens)
         s = spec.generate(p, max_new_tokens)
-        div = next((j for j, (a, b) in enumerate(zip(v.output_ids, s.output_ids)) if a != b), None)
-        if div is None and len(v.output_ids) != len(s.output_ids):
-            div = min(len(v.output_ids), len(s.output_ids))
+        div = first_divergence(v.output_ids, s.output_ids)
         margin = logit_margin(backend, p + v.output_ids[:div]) if div is not None else None
         rows.append(GreedyRow(i, div is None, s.tau, len(s.output_ids), div, margin, v, s))
     return rows
@@ -136,6 +143,17 @@ def format_greedy(rows: list[GreedyRow], what: str) -> str:
     lines.append(f"{len(rows) - bad}/{len(rows)} identical to vanilla ({what}); "
                  f"mean tau {sum(taus) / max(len(taus), 1):.2f}")
     return "\n".join(lines)
+
+
+def format_batched(rows: list[GreedyRow], batched: list[GenerationResult], what: str) -> tuple[str, bool]:
+    """The batched check: each prompt's output from the in-flight batcher against its vanilla output decoded alone
+    (rows from check_greedy) -> (text, all identical)."""
+    divs = [first_divergence(r.vanilla.output_ids, b.output_ids) for r, b in zip(rows, batched)]
+    lines = [f"{r.index:>3} batched output differs from vanilla decoded alone at {d}"
+             for r, d in zip(rows, divs) if d is not None]
+    ok = len(batched) == len(rows) and all(d is None for d in divs)
+    lines.append(f"{sum(d is None for d in divs)}/{len(rows)} identical to vanilla decoded alone when batched ({what})")
+    return "\n".join(lines), ok
 
 
 def format_distribution(rows: list[DistributionRow]) -> tuple[str, bool]:

@@ -1,7 +1,7 @@
 """Load benchmark of the Triton deployment (`make bench-serve`): a loopback client against the supervised server
 (tools/triton_server.py, what `make serve` starts), closed-loop at fixed concurrencies with a fixed number of
-requests per row, for each deployment (all started at once; at each concurrency the deployments run one after the
-other, so that drift on a busy machine hits them alike):
+requests per row, for each deployment (all started at once; at each concurrency the deployments take turns, each
+`--repeats` times, so that drift on a busy machine hits them alike, and each row reports its median run):
 
 - vanilla: in-flight batching without drafting (`eaglex triton --vanilla --max-batch N`);
 - eagle:   in-flight batching with the engine's batch schedule (`eaglex triton --max-batch N`, the default);
@@ -11,13 +11,13 @@ Every request streams (generate_stream, token ids in, greedy, fp32 engine) so th
 output token are measured per request; every output is compared with the prompt decoded alone by vanilla decoding
 in this process (column `exact`: the fraction equal, which lossless decoding makes 1.0).
 
-Per row: aggregate tokens/s, per-request tokens/s (mean), TTFT and TPOT p50/p99, request latency p99, mean accepted
+Per row: aggregate tokens/s (the median of the repeats; every repeat's figure is kept in the JSON), per-request tokens/s (mean), TTFT and TPOT p50/p99, request latency p99, mean accepted
 length (tokens per target verification), the speculation the server runs at that concurrency, errors. Writes JSON
 and a PNG (tokens/s and p99 latency against concurrency; needs matplotlib: pip install -e '.[bench]') and prints a
 markdown table with the speedup of eagle over vanilla batching at each concurrency.
 
     python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
-        [--max-tokens 64] [--modes vanilla,eagle,single] [--out build/bench_serve.json] [--plot build/bench_serve.png]
+        [--max-tokens 64] [--repeats 3] [--modes vanilla,eagle,single] [--out build/bench_serve.json] [--plot build/bench_serve.png]
 """
 from __future__ import annotations
 
@@ -164,6 +164,9 @@ def main(argv=None) -> int:
                     help="requests per row: a number, or Nx = N times the concurrency (at least --min-requests)")
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each row, taking turns between deployments; a row reports its median run (a "
+                         "short run on a small machine varies by 10 %% or more from one to the next)")
     ap.add_argument("--max-batch", type=int, default=32, help="slots of the batching deployments")
     ap.add_argument("--max-context", type=int, default=0,
                     help="context per request of the deployments (0: the longest prompt + --max-tokens; the three "
@@ -180,6 +183,8 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not set(modes) <= set(MODES):
         ap.error(f"--modes: use {', '.join(MODES)}")
+    if args.repeats < 1:
+        ap.error("--repeats: at least 1")
 
     def count(c: int) -> int:
         r = args.requests
@@ -221,14 +226,18 @@ def main(argv=None) -> int:
                 print(f"[{mode}] server ready in {time.monotonic() - t0:.1f} s")
                 # warm-up (not recorded): every prompt once, a few at a time, so first-run costs stay out of rows
                 run_row(srv.http_port, "eaglex", prompts, want, min(4, len(prompts)), len(prompts), args.max_tokens)
-            for c in args.concurrency:      # modes interleaved per row: a busy machine's drift hits them alike
-                for mode, srv in servers.items():
-                    row = run_row(srv.http_port, "eaglex", prompts, want, c, count(c), args.max_tokens)
-                    row.update(mode=mode, speculation=speculation(engine, mode, c, args.max_batch))
-                    rows.append(row)
-                    print(f"[{mode}] c={c:3d} {row['tokens_per_s']:8.1f} tok/s  ttft p99 {row['ttft_p99_ms']} ms  "
-                          f"tpot p99 {row['tpot_p99_ms']} ms  exact {row['exact']}  errors {row['errors']}",
-                          flush=True)
+            for c in args.concurrency:      # modes take turns per row: a busy machine's drift hits them alike
+                runs = {mode: [] for mode in servers}
+                for rep in range(args.repeats):
+                    for mode, srv in servers.items():
+                        row = run_row(srv.http_port, "eaglex", prompts, want, c, count(c), args.max_tokens)
+                        runs[mode].append(row)
+                        print(f"[{mode}] c={c:3d} run {rep + 1}/{args.repeats} {row['tokens_per_s']:8.1f} tok/s  "
+                              f"ttft p99 {row['ttft_p99_ms']} ms  tpot p99 {row['tpot_p99_ms']} ms  "
+                              f"exact {row['exact']}  errors {row['errors']}", flush=True)
+                for mode, rs in runs.items():
+                    rows.append(median_row(rs) | {"mode": mode,
+                                                  "speculation": speculation(engine, mode, c, args.max_batch)})
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -239,6 +248,7 @@ def main(argv=None) -> int:
               "method": engine.method, "tree": str(engine.tree), "batch_schedule": str(engine.batch_schedule()),
               "batch_schedule_from": schedule_from,
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "threads": args.threads,
+              "repeats": args.repeats,
               "rows": rows, "summary": table}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -252,6 +262,20 @@ def main(argv=None) -> int:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
     bad = [r for r in rows if r["errors"] or r["exact"] != 1.0]
     return 1 if bad else 0
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The run of median aggregate tokens/s (the lower middle one of an even count), with every run's tokens/s,
+    and errors and exactness over all runs (a wrong output in any run must show)."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    row["errors"] = sum(r["errors"] for r in runs)
+    row["error_sample"] = next((r["error_sample"] for r in runs if r["error_sample"]), None)
+    served = sum(r["served"] for r in runs)
+    row["exact"] = round(sum(r["exact"] * r["served"] for r in runs if r["exact"] is not None) / served, 4) \
+        if served else None
+    return row
 
 
 def summary(rows: list[dict], concurrency: list[int]) -> list[dict]:
@@ -268,10 +292,12 @@ def summary(rows: list[dict], concurrency: list[int]) -> list[dict]:
 
 
 def markdown(rows: list[dict], table: list[dict]) -> str:
-    lines = ["| mode | conc. | requests | tokens/s | per-request tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | "
-             "mean accepted | speculation | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | conc. | requests | tokens/s (median; runs' range) | per-request tok/s | TTFT p50/p99 ms | "
+             "TPOT p50/p99 ms | mean accepted | speculation | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['served']}/{r['requests']} | {r['tokens_per_s']} | "
+        spread = r.get("tokens_per_s_runs") or [r["tokens_per_s"]]
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['served']}/{r['requests']} | {r['tokens_per_s']} "
+                     f"({min(spread)}–{max(spread)}) | "
                      f"{r['per_request_tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} | {r['mean_accepted']} | {r['speculation']} | "
                      f"{r['exact']} |")
@@ -294,10 +320,13 @@ def plot(rows: list[dict], path: Path) -> None:
         if not rs:
             continue
         c = [r["concurrency"] for r in rs]
-        a.plot(c, [r["tokens_per_s"] for r in rs], marker="o", color=color, label=mode)
+        y = [r["tokens_per_s"] for r in rs]
+        runs = [r.get("tokens_per_s_runs") or [r["tokens_per_s"]] for r in rs]      # bars: the repeats' range
+        a.errorbar(c, y, yerr=[[v - min(x) for v, x in zip(y, runs)], [max(x) - v for v, x in zip(y, runs)]],
+                   marker="o", color=color, label=mode, capsize=3)
         b.plot(c, [r["tpot_p99_ms"] for r in rs], marker="o", color=color, label=f"{mode} TPOT p99")
         b.plot(c, [r["ttft_p99_ms"] for r in rs], marker="x", color=color, linestyle="--", label=f"{mode} TTFT p99")
-    for ax, title in ((a, "aggregate tokens/s"), (b, "p99 latency (ms)")):
+    for ax, title in ((a, "aggregate tokens/s (median, range of repeats)"), (b, "p99 latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)
