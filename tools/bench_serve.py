@@ -9,15 +9,21 @@ requests per row, for each deployment (all started at once; at each concurrency 
 
 Every request streams (generate_stream, token ids in, greedy, fp32 engine) so that time to first token and time per
 output token are measured per request; every output is compared with the prompt decoded alone by vanilla decoding
-in this process (column `exact`: the fraction equal, which lossless decoding makes 1.0).
+in this process (column `exact`: the fraction equal, which lossless decoding makes 1.0). Mixed in (unless
+--no-mix): per 8 requests of a row, one bad request (empty text, top_p 1.5, a token id outside the vocabulary,
+negative max_tokens), which must be refused with no tokens, and one client that hangs up after its first tokens,
+which the server must cancel; neither counts in the row's figures, and neither may change another request's output.
 
-Per row: aggregate tokens/s (the median of the repeats; every repeat's figure is kept in the JSON), per-request tokens/s (mean), TTFT and TPOT p50/p99, request latency p99, mean accepted
-length (tokens per target verification), the speculation the server runs at that concurrency, errors. Writes JSON
-and a PNG (tokens/s and p99 latency against concurrency; needs matplotlib: pip install -e '.[bench]') and prints a
-markdown table with the speedup of eagle over vanilla batching at each concurrency.
+Per row: aggregate tokens/s (the median of the repeats; every repeat's figure is kept in the JSON), per-request
+tokens/s (mean), TTFT and TPOT p50/p99, request latency p99, mean accepted length (tokens per target verification),
+the speculation the server runs at that concurrency, errors, bad requests refused, hang-ups. Writes JSON and a PNG
+(tokens/s and p99 latency against concurrency; needs matplotlib: pip install -e '.[bench]') and prints a markdown
+table with the speedup of eagle over vanilla batching at each concurrency. Exit 1 when an output differs, a normal
+request fails or a bad one is not refused.
 
     python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
-        [--max-tokens 64] [--repeats 3] [--modes vanilla,eagle,single] [--out build/bench_serve.json] [--plot build/bench_serve.png]
+        [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
+        [--plot build/bench_serve.png]
 """
 from __future__ import annotations
 
@@ -58,9 +64,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
 
 
-def stream_request(port: int, model: str, ids: list[int], max_tokens: int, timeout: float = 300) -> dict:
-    """One generate_stream request through the front -> times, tokens, stats or error."""
-    body = json.dumps({"input_ids": ids, "max_tokens": max_tokens, "stream": True}).encode()
+def stream_request(port: int, model: str, body: dict, timeout: float = 300, hang_up: bool = False) -> dict:
+    """One generate_stream request through the front -> times, tokens, stats or error. `hang_up`: close the
+    connection after the first tokens arrive, as a client that goes away (the server must cancel the request)."""
+    body = json.dumps({**body, "stream": True}).encode()
     out = {"ids": [], "t0": time.perf_counter(), "first": None, "end": None, "error": None, "cycles": 0}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -83,6 +90,8 @@ def stream_request(port: int, model: str, ids: list[int], max_tokens: int, timeo
                 if got and out["first"] is None:
                     out["first"] = time.perf_counter()
                 out["ids"] += got
+                if hang_up and out["ids"]:
+                    break
             if "cycles" in event:
                 out["cycles"] = int(event["cycles"])
     except (OSError, http.client.HTTPException, ValueError) as e:
@@ -93,21 +102,48 @@ def stream_request(port: int, model: str, ids: list[int], max_tokens: int, timeo
     return out
 
 
+# Requests the server must refuse with an error and no tokens, whatever else it is decoding.
+BAD_BODIES = ({"text_input": "", "max_tokens": 8}, {"input_ids": [1, 2, 3], "max_tokens": 8, "top_p": 1.5},
+              {"input_ids": [10 ** 9], "max_tokens": 8}, {"input_ids": [1, 2, 3], "max_tokens": -1})
+
+
+def request_kinds(n: int, mix: bool) -> list[str]:
+    """The row's request sequence: n normal requests, and with `mix` one bad request and one client that hangs
+    up after its first tokens per 8 normal ones (at least one each), spread among them."""
+    kinds = ["ok"] * n
+    if mix:
+        extra = max(1, n // 8)
+        for j in range(extra):                      # from the back, so that earlier insert positions hold
+            at = (extra - j) * n // (extra + 1)
+            kinds[at:at] = ["bad", "hangup"]
+    return kinds
+
+
 def run_row(port: int, model: str, prompts: list[list[int]], want: list[list[int]], concurrency: int, n: int,
-            max_tokens: int) -> dict:
-    """n requests, `concurrency` clients each sending its next request when the last one finished."""
-    counter, lock, records = itertools.count(), threading.Lock(), []
+            max_tokens: int, mix: bool = True) -> dict:
+    """n requests, `concurrency` clients each sending its next request when the last one finished (and with `mix`,
+    bad requests and hang-ups among them: request_kinds). Throughput, latency and exactness count the n."""
+    kinds, lock, records, extras = request_kinds(n, mix), threading.Lock(), [], []
+    todo = iter(enumerate(kinds))
+    normal = itertools.count()
 
     def client():
         while True:
             with lock:
-                i = next(counter)
-            if i >= n:
+                j, kind = next(todo, (None, None))
+                i = next(normal) if kind == "ok" else j
+            if kind is None:
                 return
-            rec = stream_request(port, model, prompts[i % len(prompts)], max_tokens)
-            rec["index"] = i
+            if kind == "ok":
+                rec = stream_request(port, model, {"input_ids": prompts[i % len(prompts)], "max_tokens": max_tokens})
+            elif kind == "bad":
+                rec = stream_request(port, model, BAD_BODIES[j % len(BAD_BODIES)])
+            else:
+                rec = stream_request(port, model, {"input_ids": prompts[j % len(prompts)], "max_tokens": max_tokens},
+                                     hang_up=True)
+            rec["index"], rec["kind"] = i, kind
             with lock:
-                records.append(rec)
+                (records if kind == "ok" else extras).append(rec)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -122,7 +158,10 @@ def run_row(port: int, model: str, prompts: list[list[int]], want: list[list[int
     cycles = sum(r["cycles"] for r in ok)
     exact = sum(r["ids"] == want[r["index"] % len(want)] for r in ok)
     ms = lambda v: None if v is None else round(1000 * v, 2)  # noqa: E731
+    bad = [r for r in extras if r["kind"] == "bad"]
     return {"concurrency": concurrency, "requests": n, "served": len(ok), "errors": len(records) - len(ok),
+            "bad_requests": len(bad), "bad_refused": sum(r["error"] is not None and not r["ids"] for r in bad),
+            "hangups": sum(r["kind"] == "hangup" for r in extras),
             "error_sample": next((r["error"] for r in records if r["error"]), None),
             "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
             "per_request_tokens_per_s": round(statistics.mean(len(r["ids"]) / (r["end"] - r["t0"]) for r in ok), 1)
@@ -173,6 +212,9 @@ def main(argv=None) -> int:
                          "deployments start at once, so each sizing its slots to the free memory would overcommit)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads of the server (0: backend default)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
+    ap.add_argument("--no-mix", dest="mix", action="store_false",
+                    help="leave out the bad requests and the clients that hang up (by default one of each per 8 "
+                         "requests of a row, which the server must refuse or cancel without disturbing the others)")
     ap.add_argument("--schedule", default="auto",
                     help="batch schedule to serve (e.g. 1:chain:4,4:chain:2,8:vanilla); auto: the engine's stored "
                          "one, else one measured here as `eaglex engine` does (on a copy of the engine)")
@@ -225,16 +267,19 @@ def main(argv=None) -> int:
                 servers[mode] = srv = serve_mode(args, mode, Path(tmp.name))
                 print(f"[{mode}] server ready in {time.monotonic() - t0:.1f} s")
                 # warm-up (not recorded): every prompt once, a few at a time, so first-run costs stay out of rows
-                run_row(srv.http_port, "eaglex", prompts, want, min(4, len(prompts)), len(prompts), args.max_tokens)
+                run_row(srv.http_port, "eaglex", prompts, want, min(4, len(prompts)), len(prompts), args.max_tokens,
+                        mix=False)
             for c in args.concurrency:      # modes take turns per row: a busy machine's drift hits them alike
                 runs = {mode: [] for mode in servers}
                 for rep in range(args.repeats):
                     for mode, srv in servers.items():
-                        row = run_row(srv.http_port, "eaglex", prompts, want, c, count(c), args.max_tokens)
+                        row = run_row(srv.http_port, "eaglex", prompts, want, c, count(c), args.max_tokens,
+                                      args.mix)
                         runs[mode].append(row)
                         print(f"[{mode}] c={c:3d} run {rep + 1}/{args.repeats} {row['tokens_per_s']:8.1f} tok/s  "
                               f"ttft p99 {row['ttft_p99_ms']} ms  tpot p99 {row['tpot_p99_ms']} ms  "
-                              f"exact {row['exact']}  errors {row['errors']}", flush=True)
+                              f"exact {row['exact']}  errors {row['errors']}  bad refused "
+                              f"{row['bad_refused']}/{row['bad_requests']}  hang-ups {row['hangups']}", flush=True)
                 for mode, rs in runs.items():
                     rows.append(median_row(rs) | {"mode": mode,
                                                   "speculation": speculation(engine, mode, c, args.max_batch)})
@@ -248,7 +293,7 @@ def main(argv=None) -> int:
               "method": engine.method, "tree": str(engine.tree), "batch_schedule": str(engine.batch_schedule()),
               "batch_schedule_from": schedule_from,
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "threads": args.threads,
-              "repeats": args.repeats,
+              "repeats": args.repeats, "mix": args.mix,
               "rows": rows, "summary": table}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -260,7 +305,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
-    bad = [r for r in rows if r["errors"] or r["exact"] != 1.0]
+    bad = [r for r in rows if r["errors"] or r["exact"] != 1.0 or r["bad_refused"] != r["bad_requests"]]
     return 1 if bad else 0
 
 
@@ -272,6 +317,8 @@ def median_row(runs: list[dict]) -> dict:
     row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     row["errors"] = sum(r["errors"] for r in runs)
     row["error_sample"] = next((r["error_sample"] for r in runs if r["error_sample"]), None)
+    for key in ("bad_requests", "bad_refused", "hangups"):
+        row[key] = sum(r[key] for r in runs)
     served = sum(r["served"] for r in runs)
     row["exact"] = round(sum(r["exact"] * r["served"] for r in runs if r["exact"] is not None) / served, 4) \
         if served else None
@@ -293,14 +340,15 @@ def summary(rows: list[dict], concurrency: list[int]) -> list[dict]:
 
 def markdown(rows: list[dict], table: list[dict]) -> str:
     lines = ["| mode | conc. | requests | tokens/s (median; runs' range) | per-request tok/s | TTFT p50/p99 ms | "
-             "TPOT p50/p99 ms | mean accepted | speculation | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "TPOT p50/p99 ms | mean accepted | speculation | exact | bad refused | hang-ups |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spread = r.get("tokens_per_s_runs") or [r["tokens_per_s"]]
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['served']}/{r['requests']} | {r['tokens_per_s']} "
                      f"({min(spread)}–{max(spread)}) | "
                      f"{r['per_request_tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} | {r['mean_accepted']} | {r['speculation']} | "
-                     f"{r['exact']} |")
+                     f"{r['exact']} | {r.get('bad_refused', 0)}/{r.get('bad_requests', 0)} | {r.get('hangups', 0)} |")
     lines += ["", "| conc. | vanilla batched tok/s | EAGLE batched tok/s | speedup | one-at-a-time tok/s | "
               "EAGLE batched / one-at-a-time |", "|---|---|---|---|---|---|"]
     for t in table:
