@@ -352,8 +352,10 @@ def cmd_check(args) -> int:
         ok = all(r.identical for r in rows)
         if args.batch > 1:
             batched = engine.generate(prompts, sampling, args.max_new_tokens, batch=args.batch)
-            text, batch_ok = format_batched(rows, batched, f"up to {args.batch} at a time, batch schedule "
-                                                           f"{engine.batch_schedule()}")
+            how = (f"up to {args.batch} at a time, batch schedule {engine.batch_schedule()}"
+                   if getattr(engine.backend, "batch_exact", True) else
+                   "one at a time: this engine's exactness rules keep requests apart")
+            text, batch_ok = format_batched(rows, batched, how)
             print(text)
             ok = ok and batch_ok
         return 0 if ok else 1
