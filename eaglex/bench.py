@@ -381,6 +381,8 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
             row.predicted_speedup = predicted_speedup(cm, tree, tau)
         quant = ((engine.manifest or {}).get("quant") or {}).get("method")    # weights int8/fp8, activations float
         where = f"{engine.device} {quant or getattr(engine.backend, 'dtype', '')}".strip()
+        if (engine.manifest or {}).get("draft_quant"):
+            where += " +int8 draft"
         for row in got:
             row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]

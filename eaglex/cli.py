@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tensorrt-llm); int8: MatMulNBits with int8 activations, the fast quantized CPU path "
                         "(onnxruntime; exact with chain trees, one request at a time)")
     q.add_argument("--calibrated", type=Path, help="FP8 checkpoint written by `eaglex calibrate` (for --quant fp8)")
-    q.add_argument("--quant-draft", action="store_true", help="also quantize the draft graphs (onnxruntime)")
+    q.add_argument("--quant-draft", action="store_true",
+                   help="quantize the draft graphs too (onnxruntime); alone: int8 draft, float target (cheaper "
+                        "drafting, output unchanged: the float target decides every token)")
     q.add_argument("--calibrated-draft", type=Path, help="FP8 draft from `eaglex calibrate --quant-draft`")
     tl = bld.add_argument_group("tensorrt-llm")
     tl.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs per pipeline stage)")
@@ -348,6 +350,7 @@ def cmd_check(args) -> int:
     if sampling.greedy:
         rows = check_greedy(engine.backend, engine.tree, prompts, args.max_new_tokens)
         weights = ((engine.manifest or {}).get("quant") or {}).get("method") or engine.backend.dtype
+        weights += " + int8 draft" if (engine.manifest or {}).get("draft_quant") else ""
         print(format_greedy(rows, f"{engine.method}, tree {engine.tree}, {weights}"))
         ok = all(r.identical for r in rows)
         if args.batch > 1:
@@ -431,8 +434,8 @@ def cmd_build(args) -> int:
         print(trtllm.summary(trtllm.build_trtllm_bundle(args.target, args.draft, args.out, cfg, args.calibrated,
                                                         args.force), args.out))
         return 0
-    if args.quant is None and (args.calibrated or args.quant_draft or args.calibrated_draft):
-        raise ModelError("--calibrated/--quant-draft need --quant fp8|int8")
+    if args.quant is None and (args.calibrated or args.calibrated_draft):
+        raise ModelError("--calibrated/--calibrated-draft need --quant fp8")
     if args.quant == "fp8" and args.calibrated is None:   # fail before the (long) float build
         raise ModelError("--quant fp8 needs calibrated scales: run `eaglex calibrate --target DIR --out CAL` and "
                          "pass --calibrated CAL")
@@ -441,7 +444,14 @@ def cmd_build(args) -> int:
         from eaglex.engines.quantize import quantize_engine
         manifest = quantize_engine(args.out, args.quant, args.calibrated, draft=args.quant_draft,
                                    calibrated_draft_dir=args.calibrated_draft)
+    if args.quant is None and args.quant_draft:
+        from eaglex.engines.quantize import quantize_draft
+        manifest = quantize_draft(args.out)
     print(summary(manifest, args.out))
+    if manifest.get("draft_quant"):
+        q = manifest["draft_quant"]
+        print(f"  draft quantized int8: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"
+              " the target stays float, so the output stays that of float vanilla decoding")
     if args.quant is not None:
         q = manifest["quant"]
         print(f"  quantized {args.quant}: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"

@@ -61,7 +61,11 @@ def _build_onnx(target_dir, draft_dir, out: Path, force: bool) -> None:
         except ModelError:
             fresh = True
     if fresh:
-        print(summary(build_engine(target_dir, draft_dir, out, "onnxruntime", "float32", True), out))
+        manifest = build_engine(target_dir, draft_dir, out, "onnxruntime", "float32", True)
+        if manifest.get("draft"):     # int8 drafting: cheaper, and the float target still decides every token
+            from eaglex.engines.quantize import quantize_draft
+            manifest = quantize_draft(out)
+        print(summary(manifest, out))
     else:
         print(f"reusing {out} (pass --force or `make engine FORCE=1` to rebuild)")
 

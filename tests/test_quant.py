@@ -21,7 +21,7 @@ from safetensors import safe_open
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.runtime.manifest import read_manifest
-from eaglex.engines.quantize import quantize_engine, target_parity
+from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
 from eaglex.export import quantize as q
 from eaglex.models.errors import ModelError
 from eaglex.runtime.engine import open_engine
@@ -313,6 +313,29 @@ def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     assert [r.output_ids for r in eng.generate(prompts[:3], max_new_tokens=16, batch=3)] == alone
     with pytest.raises(ModelError, match="already quantized"):
         quantize_engine(e, "int8", progress=False)
+
+
+def test_int8_draft_on_a_float_target_stays_exact(float_engine, models, tmp_path, prompts, capsys):
+    """quantize_draft: the draft graphs become MatMulNBits, the target's files stay byte for byte, no exactness
+    rules are added (the target is float), and speculative output still equals float vanilla decoding."""
+    e = _copy_engine(float_engine, tmp_path / "dq")
+    before = read_manifest(e)
+    m = quantize_draft(e, progress=False)
+    assert "quant" not in m and "exactness" not in m and m["draft_quant"]["method"] == "int8"
+    assert m["draft_quant"]["bytes_after"] < m["draft_quant"]["bytes_before"]
+    assert "MatMulNBits" in m["graphs"]["draft"]["ops"] and "MatMulNBits" not in m["graphs"]["target"]["ops"]
+    for f in before["graphs"]["target"]["files"]:
+        assert m["files"][f] == before["files"][f]
+    assert m["tree"] == before["tree"] and not list(tmp_path.glob(".dq.*"))
+    assert OrtBackend(e).batch_exact                                 # batching stays on
+    _check_engine(e, tmp_path, prompts, capsys)
+    vanilla = open_engine(float_engine, method="vanilla").generate(prompts[:3], max_new_tokens=16)
+    spec = open_engine(e).generate(prompts[:3], max_new_tokens=16, batch=3)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in vanilla]
+    with pytest.raises(ModelError, match="already quantized"):
+        quantize_draft(e, progress=False)
+    with pytest.raises(ModelError, match="already quantized"):
+        quantize_engine(_copy_engine(e, tmp_path / "dq2"), "int8", progress=False)
 
 
 def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, tmp_path):
