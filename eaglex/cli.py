@@ -449,9 +449,8 @@ def cmd_build(args) -> int:
         manifest = quantize_draft(args.out)
     print(summary(manifest, args.out))
     if manifest.get("draft_quant"):
-        q = manifest["draft_quant"]
-        print(f"  draft quantized int8: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"
-              " the target stays float, so the output stays that of float vanilla decoding")
+        from eaglex.engines.quantize import draft_quant_line
+        print(draft_quant_line(manifest))
     if args.quant is not None:
         q = manifest["quant"]
         print(f"  quantized {args.quant}: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"

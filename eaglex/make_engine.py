@@ -62,10 +62,10 @@ def _build_onnx(target_dir, draft_dir, out: Path, force: bool) -> None:
             fresh = True
     if fresh:
         manifest = build_engine(target_dir, draft_dir, out, "onnxruntime", "float32", True)
-        if manifest.get("draft"):     # int8 drafting: cheaper, and the float target still decides every token
-            from eaglex.engines.quantize import quantize_draft
-            manifest = quantize_draft(out)
         print(summary(manifest, out))
+        if manifest.get("draft"):     # int8 drafting: cheaper, and the float target still decides every token
+            from eaglex.engines.quantize import draft_quant_line, quantize_draft
+            print(draft_quant_line(quantize_draft(out)))
     else:
         print(f"reusing {out} (pass --force or `make engine FORCE=1` to rebuild)")
 

@@ -120,6 +120,13 @@ def quantize_draft(engine_dir, progress: bool = True) -> dict:
                     lambda g, src, dst: int8_weight_only(src, dst, exclude=EXCLUDE["int8"]), finish, progress)
 
 
+def draft_quant_line(m: dict) -> str:
+    """The line `eaglex build` and `eaglex engine` print for an engine with an int8 draft on a float target."""
+    q = m["draft_quant"]
+    return (f"  draft quantized int8: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB; "
+            "the target stays float and decides every token, so the output is float vanilla decoding's")
+
+
 def _draft_graphs(m: dict) -> list[str]:
     return [g for g in ("draft_fc", "draft") if g in m["graphs"]]
 
