@@ -230,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--method", choices=("eagle3", "eagle1"), default="eagle3",
                      help="eagle3: training-time test, reduced vocabulary; eagle1: EAGLE-1/2 feature regression")
     trn.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    trn.add_argument("--device", default="auto", help=DEVICE_HELP + " (generation, training and the τ report)")
     return parser
 
 
@@ -504,7 +505,10 @@ def cmd_import(args) -> int:
 def cmd_train_draft(args) -> int:
     from eaglex.training.train_draft import TrainDraftConfig, train_draft
 
-    report = train_draft(args.target, args.data, args.out, TrainDraftConfig(method=args.method, steps=args.steps))
+    from eaglex.runtime.device import resolve_device
+
+    report = train_draft(args.target, args.data, args.out, TrainDraftConfig(method=args.method, steps=args.steps),
+                         device=resolve_device(args.device))
     best = max(report["tau"], key=lambda r: r["tau"])
     print(f"wrote {args.out} ({args.method}, {args.steps} steps, loss {report['first_loss']:.3f} -> "
           f"{report['final_loss']:.3f}); best tau {best['tau']:.2f} ({best['shape']})")

@@ -1,6 +1,7 @@
 """Build EAGLE-3 and EAGLE-1/2 heads for a real chat model: SmolLM2-135M-Instruct, from its GGUF file.
 
-    python tools/smollm2.py [--gguf FILE] [--out build/smollm2] [--preset full|small] [--lanes 2] [overrides]
+    python tools/smollm2.py [--gguf FILE] [--out build/smollm2] [--preset full|small|gpu] [--lanes 2]
+                            [--device cpu|cuda] [overrides]
 
 The real-model counterpart of `make tiny` (training/tiny.py), with the same habits: every stage caches its output
 under OUT/work/ keyed by everything it depends on (an interrupted build resumes, trainers from their last
@@ -19,6 +20,10 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
     eagle1       EAGLE-1/2 head (training/eagle1.py), alongside EAGLE-3 in the second lane
     tau          τ of both heads on the held-out prompts, per tree shape, each output checked against vanilla
                  greedy decoding (training/report.py); OUT/manifest.json and OUT/README.md
+
+--device cuda runs generation, training and the τ report on a GPU; the `gpu` preset sizes the data and the steps
+for one (14x the answers, batches of 32 sequences). GPU runs are not bit-reproducible (CUDA kernels reduce in
+varying order), CPU runs are.
 
 Nothing here is specific to SmolLM2 but the default GGUF: --gguf takes any Llama-family chat GGUF, --target any
 converted folder with a chat template.
@@ -60,7 +65,7 @@ class BuildConfig:
     EAGLE-1/2 step ~7 s with the target's forward in every step). EAGLE-3 unrolls 5 TTT steps, not the official 7:
     the CPU engines tune trees of depth 2-5, and 7 steps cost 1.6x the time per step, which buys more steps here."""
     train_prompts: int = 0               # 0: every training instruction of eaglex.chat_prompts (871)
-    sampled_fraction: float = 0.25       # this share of the training prompts gets a second, sampled answer
+    sampled_fraction: float = 0.25       # sampled answers per training prompt, beside its greedy one (may exceed 1)
     temperature: float = 0.7
     seq_len: int = 320                   # prompt (35-52 tokens with the default system prompt) + answer
     gen_batch: int = 32
@@ -88,6 +93,13 @@ PRESETS = {
                          eagle1=replace(BuildConfig().eagle1,
                                         optim=OptimConfig(steps=30, lr=2e-3, warmup=5, checkpoint_every=10)),
                          eval_prompts=4, eval_new_tokens=48, shapes=("chain:4", "dynamic:16/6/4")),
+    # For one GPU (--device cuda): 13 sampled answers per prompt besides the greedy one (14x the data), batches of
+    # 32 sequences, and the target's forward in every training step instead of a host-memory cache.
+    "gpu": BuildConfig(sampled_fraction=13.0, temperature=0.8, gen_batch=1024,
+                       eagle3=replace(BuildConfig().eagle3, batch=32, teacher_cache_gb=0.0,
+                                      optim=OptimConfig(steps=3000, lr=2e-3, warmup=100, checkpoint_every=500)),
+                       eagle1=replace(BuildConfig().eagle1, batch=32, teacher_cache_gb=0.0,
+                                      optim=OptimConfig(steps=3000, lr=2e-3, warmup=100, checkpoint_every=500))),
 }
 
 
@@ -161,9 +173,9 @@ def stage_prompts(p: Paths, cfg: BuildConfig) -> dict:
 
 def _jobs(cfg: BuildConfig, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
     """Generation batches: (prompt index, temperature) rows, sorted by prompt length so little is padded; greedy
-    answers for every prompt, sampled ones for the first `sampled_fraction` of them."""
+    answers for every prompt, then sampled ones cycling through the prompts, `sampled_fraction` per prompt."""
     n_sampled = round(len(prompts) * cfg.sampled_fraction)
-    rows = [(i, 0.0) for i in range(len(prompts))] + [(i, cfg.temperature) for i in range(n_sampled)]
+    rows = [(i, 0.0) for i in range(len(prompts))] + [(i % len(prompts), cfg.temperature) for i in range(n_sampled)]
     rows.sort(key=lambda r: (len(prompts[r[0]]), r[1], r[0]))
     return [rows[i:i + cfg.gen_batch] for i in range(0, len(rows), cfg.gen_batch)]
 
@@ -197,9 +209,9 @@ def preallocated_cache(num_layers: int, capacity: int):
 @torch.no_grad()
 def answer_batch(model, prompts: list[list[int]], temps: list[float], seq_len: int, pad_id: int,
                  gen: torch.Generator, prealloc: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded batched decoding: each row becomes prompt + answer, `seq_len` tokens in all (an answer goes on
-    past its end-of-turn token, as the target would if not stopped). Rows with temperature 0 are greedy.
-    Returns tokens [B, seq_len] and prompt lengths [B]."""
+    """Left-padded batched decoding on the model's device: each row becomes prompt + answer, `seq_len` tokens in all
+    (an answer goes on past its end-of-turn token, as the target would if not stopped). Rows with temperature 0 are
+    greedy; `gen` lives on the model's device. Returns tokens [B, seq_len] and prompt lengths [B], on the host."""
     B, L = len(prompts), max(len(x) for x in prompts)
     new = seq_len - min(len(x) for x in prompts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -207,8 +219,10 @@ def answer_batch(model, prompts: list[list[int]], temps: list[float], seq_len: i
     for i, x in enumerate(prompts):
         ids[i, L - len(x):] = torch.tensor(x)
         mask[i, L - len(x):] = 1
+    dev = model.device
+    ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    t = torch.tensor(temps).unsqueeze(1)
+    t = torch.tensor(temps, device=dev).unsqueeze(1)
     cache = preallocated_cache(model.config.num_hidden_layers, L + new) if prealloc else None
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
     past, logits, nxt_pos = out.past_key_values, out.logits[:, -1].float(), pos[:, -1:] + 1
@@ -223,41 +237,43 @@ def answer_batch(model, prompts: list[list[int]], temps: list[float], seq_len: i
         seq.append(nxt)
         if step + 1 == new:
             break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long, device=dev)], 1)
         out = model(input_ids=nxt, attention_mask=mask, position_ids=nxt_pos, past_key_values=past, use_cache=True)
         past, logits, nxt_pos = out.past_key_values, out.logits[:, -1].float(), nxt_pos + 1
-    gen_ids = torch.cat(seq, 1)
+    gen_ids = torch.cat(seq, 1).cpu()
     tokens = torch.stack([torch.cat([torch.tensor(x), gen_ids[i, :seq_len - len(x)]]) for i, x in enumerate(prompts)])
     return tokens, torch.tensor([len(x) for x in prompts])
 
 
-def _selfdistill_dir(p: Paths, cfg: BuildConfig) -> tuple[Path, dict]:
+def _selfdistill_dir(p: Paths, cfg: BuildConfig, device: str) -> tuple[Path, dict]:
     prompts = json.loads((p.work / "train_prompts.json").read_text())
     key = {"target": _target_id(p), "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16],
            "sampled_fraction": cfg.sampled_fraction, "temperature": cfg.temperature, "seq_len": cfg.seq_len,
            "gen_batch": cfg.gen_batch, "gen_dtype": cfg.gen_dtype, "seed": cfg.seed}
+    if device != "cpu":   # other kernels, other numbers: data made on a GPU is its own cache entry
+        key["device"] = device
     return p.work / f"selfdistill-{_key_digest(key)}", key
 
 
-def selfdistill_lane(p: Paths, cfg: BuildConfig, lane: int, lanes: int) -> dict:
+def selfdistill_lane(p: Paths, cfg: BuildConfig, lane: int, lanes: int, device: str = "cpu") -> dict:
     """Generate the batches lane, lane + lanes, ... (each saved as it finishes: an interrupted stage resumes)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    folder, _ = _selfdistill_dir(p, cfg)
+    folder, _ = _selfdistill_dir(p, cfg, device)
     folder.mkdir(parents=True, exist_ok=True)
     prompts = json.loads((p.work / "train_prompts.json").read_text())
     jobs = _jobs(cfg, prompts)
     mine = [k for k in range(lane, len(jobs), lanes) if not (folder / f"batch{k:04d}.pt").is_file()]
     if not mine:
         return {"tokens": 0, "seconds": 0.0}
-    model = AutoModelForCausalLM.from_pretrained(p.target, dtype=getattr(torch, cfg.gen_dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(p.target, dtype=getattr(torch, cfg.gen_dtype)).to(device).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     made, t0 = 0, time.perf_counter()
     bar = tqdm(mine, desc=f"self-distillation lane {lane}", position=lane, dynamic_ncols=True, mininterval=5.0)
     for k in bar:
         rows = jobs[k]
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + k)
         tokens, plen = answer_batch(model, [prompts[i] for i, _ in rows], [t for _, t in rows], cfg.seq_len, pad,
                                     gen)
         tmp = folder / f"batch{k:04d}.{os.getpid()}.tmp"
@@ -268,13 +284,13 @@ def selfdistill_lane(p: Paths, cfg: BuildConfig, lane: int, lanes: int) -> dict:
     return {"tokens": made, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def stage_selfdistill(p: Paths, cfg: BuildConfig, lanes: int, pool) -> dict:
-    folder, key = _selfdistill_dir(p, cfg)
+def stage_selfdistill(p: Paths, cfg: BuildConfig, lanes: int, pool, device: str = "cpu") -> dict:
+    folder, key = _selfdistill_dir(p, cfg, device)
     data_file = p.work / "selfdistill.pt"
     if cached(p.work / "selfdistill.json", key) and data_file.is_file():
         return json.loads((p.work / "selfdistill_stats.json").read_text())
-    futures = [pool.submit(selfdistill_lane, p, cfg, lane, lanes) for lane in range(1, lanes)] if pool else []
-    lane_stats = [selfdistill_lane(p, cfg, 0, lanes)] + [f.result() for f in futures]
+    futures = [pool.submit(selfdistill_lane, p, cfg, lane, lanes, device) for lane in range(1, lanes)] if pool else []
+    lane_stats = [selfdistill_lane(p, cfg, 0, lanes, device)] + [f.result() for f in futures]
     prompts = json.loads((p.work / "train_prompts.json").read_text())
     jobs = _jobs(cfg, prompts)
     parts = [torch.load(folder / f"batch{k:04d}.pt", weights_only=True) for k in range(len(jobs))]
@@ -307,7 +323,7 @@ def answer_stats(p: Paths, data: SelfDistillData) -> dict:
             "tokens_after_end": after}
 
 
-def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int) -> dict:
+def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int, device: str = "cpu") -> dict:
     """Train and save one head; a finished head with the same inputs is not retrained (its trainer would still
     recompute the teacher's outputs before finding its checkpoint complete)."""
     from eaglex.models.target import load_target
@@ -316,11 +332,13 @@ def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int) -> dict:
     data = SelfDistillData.load(p.work / "selfdistill.pt")
     key = {"target": _target_id(p), "data": digest(data.tokens, data.prompt_len), "threads": threads,
            "config": asdict(cfg.eagle3 if kind == "eagle3" else cfg.eagle1)}
+    if device != "cpu":
+        key["device"] = device
     key_file, info_file = p.work / f"{kind}.json", p.work / f"{kind}_info.json"
     if cached(key_file, key) and info_file.is_file() and (p.out / kind / "config.json").is_file():
         return json.loads(info_file.read_text())
     torch.set_num_threads(threads)
-    target = load_target(p.target)
+    target = load_target(p.target, device=device)
     eos = target.spec.eos_ids[0] if target.spec.eos_ids else None
     t0 = time.perf_counter()
     if kind == "eagle3":
@@ -344,18 +362,18 @@ def _eval_prompts(p: Paths) -> list[list[int]]:
     return [json.loads(line)["input_ids"] for line in (p.out / "prompts.jsonl").read_text().splitlines()]
 
 
-def vanilla_part(p: Paths, cfg: BuildConfig, lane: int, lanes: int) -> list[list[int]]:
+def vanilla_part(p: Paths, cfg: BuildConfig, lane: int, lanes: int, device: str = "cpu") -> list[list[int]]:
     from eaglex.training.report import vanilla_outputs
-    return vanilla_outputs(p.target, _eval_prompts(p)[lane::lanes], cfg.eval_new_tokens)
+    return vanilla_outputs(p.target, _eval_prompts(p)[lane::lanes], cfg.eval_new_tokens, device=device)
 
 
-def tau_part(p: Paths, cfg: BuildConfig, head: str, vanilla: list[list[int]]) -> list[dict]:
+def tau_part(p: Paths, cfg: BuildConfig, head: str, vanilla: list[list[int]], device: str = "cpu") -> list[dict]:
     from eaglex.runtime.types import TreeConfig
     from eaglex.training.report import tau_table
 
     shapes = {s: TreeConfig.parse(s) for s in cfg.shapes}
     rows = tau_table(p.target, {head: p.out / head}, _eval_prompts(p), shapes, cfg.eval_new_tokens,
-                     vanilla=vanilla)
+                     vanilla=vanilla, device=device)
     return [asdict(r) for r in rows]
 
 
@@ -366,7 +384,7 @@ def _head_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool) -> tuple[list[dict], float]:
+def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool, device: str = "cpu") -> tuple[list[dict], float]:
     """τ rows of both heads (cached by target, prompts, heads and shapes); the vanilla outputs they compare with
     are computed once, split over the lanes."""
     prompts = _eval_prompts(p)
@@ -378,23 +396,23 @@ def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool) -> tuple[list[dict],
     if cached(p.work / "vanilla_key.json", key):
         vanilla = json.loads((p.work / "vanilla.json").read_text())
     else:
-        futures = [pool.submit(vanilla_part, p, cfg, lane, lanes) for lane in range(1, lanes)] if pool else []
-        parts = [vanilla_part(p, cfg, 0, lanes)] + [f.result() for f in futures]
+        futures = [pool.submit(vanilla_part, p, cfg, lane, lanes, device) for lane in range(1, lanes)] if pool else []
+        parts = [vanilla_part(p, cfg, 0, lanes, device)] + [f.result() for f in futures]
         vanilla = [None] * len(prompts)
         for lane, part in enumerate(parts):
             vanilla[lane::lanes] = part
         write_text(p.work / "vanilla.json", json.dumps(vanilla))
         write_key(p.work / "vanilla_key.json", key)
     t0 = time.perf_counter()
-    side = pool.submit(tau_part, p, cfg, "eagle1", vanilla) if pool else None
-    rows = tau_part(p, cfg, "eagle3", vanilla)
-    rows += side.result() if side else tau_part(p, cfg, "eagle1", vanilla)
+    side = pool.submit(tau_part, p, cfg, "eagle1", vanilla, device) if pool else None
+    rows = tau_part(p, cfg, "eagle3", vanilla, device)
+    rows += side.result() if side else tau_part(p, cfg, "eagle1", vanilla, device)
     write_text(p.work / "tau.json", json.dumps(rows))
     write_key(p.work / "tau_key.json", tau_key)
     return rows, round(time.perf_counter() - t0, 1)
 
 
-def sample_answer(p: Paths, head: str, n: int) -> dict:
+def sample_answer(p: Paths, head: str, n: int, device: str = "cpu") -> dict:
     """The first held-out prompt answered greedily by speculative decoding with `head`, decoded."""
     from eaglex.prompts import load_tokenizer
     from eaglex.runtime.generate import SpeculativeGenerator
@@ -403,10 +421,18 @@ def sample_answer(p: Paths, head: str, n: int) -> dict:
     from eaglex.training.report import DEFAULT_SHAPE
 
     line = json.loads((p.out / "prompts.jsonl").read_text().splitlines()[0])
-    r = SpeculativeGenerator(TorchBackend(p.target, p.out / head), TreeConfig.parse(DEFAULT_SHAPE)).generate(
+    r = SpeculativeGenerator(TorchBackend(p.target, p.out / head, device=device),
+                             TreeConfig.parse(DEFAULT_SHAPE)).generate(
         line["input_ids"], n)
     return {"prompt": line["prompt"], "answer": load_tokenizer(p.target).decode(r.output_ids, skip_special_tokens=True),
             "tau": round(r.tau, 3)}
+
+
+def _device_name(device: str) -> str:
+    """What the card says the build ran on: 'cpu', or the GPU's name."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
 
 
 # ------------------------------------------------------------------------------------------------ the build
@@ -414,8 +440,10 @@ def sample_answer(p: Paths, head: str, n: int) -> dict:
 STAGES = ("target", "prompts", "selfdistill", "heads", "tau")
 
 
-def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: str = "tau") -> dict:
-    """Run the stages up to `until` (all by default); returns the manifest (written only by a complete build)."""
+def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: str = "tau",
+          device: str = "cpu") -> dict:
+    """Run the stages up to `until` (all by default) on `device`; returns the manifest (written only by a complete
+    build)."""
     from eaglex.training.report import TauRow, format_table
 
     p = Paths(out)
@@ -433,31 +461,31 @@ def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: s
             if lanes > 1 else None)
     try:
         torch.set_num_threads(1 if pool else 2)
-        info["selfdistill"], seconds["selfdistill"] = timed(stage_selfdistill, p, cfg, lanes, pool)
+        info["selfdistill"], seconds["selfdistill"] = timed(stage_selfdistill, p, cfg, lanes, pool, device)
         print(f"[smollm2] self-distillation: {info['selfdistill']}")
         if until == "selfdistill":
             return {"seconds": seconds, **info}
         if pool:   # EAGLE-1/2 in the side lane while EAGLE-3 trains here, one thread each
-            side = pool.submit(timed, stage_head, p, cfg, "eagle1", 1)
-            info["eagle3"], seconds["eagle3"] = timed(stage_head, p, cfg, "eagle3", 1)
+            side = pool.submit(timed, stage_head, p, cfg, "eagle1", 1, device)
+            info["eagle3"], seconds["eagle3"] = timed(stage_head, p, cfg, "eagle3", 1, device)
             info["eagle1"], seconds["eagle1 (side lane)"] = side.result()
         else:
-            info["eagle3"], seconds["eagle3"] = timed(stage_head, p, cfg, "eagle3", 2)
-            info["eagle1"], seconds["eagle1"] = timed(stage_head, p, cfg, "eagle1", 2)
+            info["eagle3"], seconds["eagle3"] = timed(stage_head, p, cfg, "eagle3", 2, device)
+            info["eagle1"], seconds["eagle1"] = timed(stage_head, p, cfg, "eagle1", 2, device)
         if until == "heads":
             return {"seconds": seconds, **info}
-        tau, seconds["tau"] = stage_tau(p, cfg, lanes, pool)
+        tau, seconds["tau"] = stage_tau(p, cfg, lanes, pool, device)
     finally:
         if pool:
             pool.shutdown()
     rows = [TauRow(**r) for r in tau]
     table = format_table(rows)
     print(table)
-    info["sample"] = sample_answer(p, "eagle3", cfg.eval_new_tokens)
+    info["sample"] = sample_answer(p, "eagle3", cfg.eval_new_tokens, device)
     seconds["total"] = round(time.perf_counter() - t_all, 1)
     seconds = _first_run_seconds(out / "manifest.json", cfg, seconds)
     manifest = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
-                "lanes": lanes, **info, "tau": tau, "tau_table": table, "seconds": seconds, "config": asdict(cfg)}
+                "lanes": lanes, "device": _device_name(device), **info, "tau": tau, "tau_table": table, "seconds": seconds, "config": asdict(cfg)}
     write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     write_text(out / "README.md", model_card(manifest))
     return manifest
@@ -492,7 +520,12 @@ def model_card(m: dict, published: bool = False) -> str:
              f"""| eagle3/ | EAGLE-3 head, draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head; {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
 | prompts.jsonl | {m["prompts"]["heldout"]} held-out chat prompts (no instruction and no template+topic pair trained on) |""")
-    rebuild = "\n`make smollm2` regenerates this folder (seeded, resumable: `tools/smollm2.py --publish`).\n" \
+    gpu = m.get("device", "cpu") != "cpu"
+    where_run = f"one {m['device']} GPU" if gpu else f"{m['lanes']} lane(s) of one CPU thread"
+    rebuild = ("\n`make smollm2 DEVICE=cuda` regenerates this folder on a GPU (resumable; not bit-reproducible: "
+               "CUDA kernels reduce in varying order); `make smollm2` runs the smaller CPU recipe (about 90 minutes "
+               "on 2 cores).\n" if gpu else
+               "\n`make smollm2` regenerates this folder (seeded, resumable: `tools/smollm2.py --publish`).\n") \
         if published else ""
     return f"""# EAGLE heads for {m["target"]["name"]} (generated by tools/smollm2.py; do not edit)
 
@@ -500,7 +533,7 @@ Target: {where} (sha256 {m["target"]["sha256"][:16]}…, dequantized to
 float32). Heads trained by self-distillation: the target's own answers to {m["prompts"]["train"]} built-in chat
 instructions in its chat template ({sd["sequences"]} sequences of {sd["seq_len"]} tokens, {sd["answer_tokens"]:,}
 answer tokens; {sd["answers_ended"]} answers end inside the window), in {sec["total"] / 60:.1f} minutes on
-{m["lanes"]} lane(s) of one CPU thread.
+{where_run}.
 
 | folder | what |
 |---|---|
@@ -557,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("build/smollm2"))
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
     ap.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="processes of one thread each")
+    ap.add_argument("--device", default="cpu", help='"cpu" or "cuda[:N]": where generation, training and τ run')
     ap.add_argument("--train-prompts", type=int, help="0: all")
     ap.add_argument("--sampled-fraction", type=float)
     ap.add_argument("--seq-len", type=int)
@@ -585,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes:
         cfg = replace(cfg, shapes=tuple(s.strip() for s in args.shapes.split(",")))
     try:
-        m = build(args.out, args.gguf or preset_target_file("smollm2-135m"), cfg, args.lanes, args.until)
+        from eaglex.runtime.device import resolve_device
+        device = str(resolve_device(args.device))
+        m = build(args.out, args.gguf or preset_target_file("smollm2-135m"), cfg, args.lanes, args.until, device)
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,10 +59,12 @@ def eagle1_loss(head: DraftHead, logits: torch.Tensor, feats: torch.Tensor, toke
     B, T = tokens.shape
     n = T - 1
     x = feats[:, :n].float()
-    x = x + (torch.rand(x.shape, generator=gen) - 0.5) * cfg.noise * 512 / n
+    dev = x.device
+    x = x + (torch.rand(x.shape, generator=gen).to(dev) - 0.5) * cfg.noise * 512 / n   # drawn on the host: seeded
     d = head.spec
-    cache = causal_cache((1, d.num_kv_heads, d.head_dim), B, torch.float32)
-    pred = head(x, tokens[:, 1:], torch.arange(n).expand(B, n), causal_mask(n, 0, B), cache, project=True)
+    cache = causal_cache((1, d.num_kv_heads, d.head_dim), B, torch.float32, dev)
+    pred = head(x, tokens[:, 1:], torch.arange(n, device=dev).expand(B, n), causal_mask(n, 0, B, dev), cache,
+                project=True)
     m = loss_mask[:, 1:].float()                                         # [B,n]: the position of f_{t+1}
     denom = m.sum() + 1e-5
     target_f = feats[:, 1:].float()
@@ -89,7 +91,8 @@ def train_eagle1(target: Target, data: SelfDistillData, cfg: Eagle1Config, eos_i
         gen = step_generator(cfg.seed, step)
         idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=gen)
         logits, _, feats = teach(idx)
-        return eagle1_loss(head, logits, feats, data.tokens[idx], mask[idx], cfg, gen)
+        return eagle1_loss(head, logits, feats, data.tokens[idx].to(feats.device), mask[idx].to(feats.device), cfg,
+                           gen)
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle1",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),

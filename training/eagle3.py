@@ -90,7 +90,7 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
     rep = s.num_heads // s.num_kv_heads
     e = head._embed[0](input_ids)                                         # [B,n,H], frozen
     x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], -1)   # [B,n,2H], embedding first
-    pos = (torch.arange(n) + step).unsqueeze(0)
+    pos = (torch.arange(n, device=hidden.device) + step).unsqueeze(0)
     cos, sin = head.rotary(x, pos)
     q = rope(attn.q_proj(x).view(B, n, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)       # [B,nh,n,D]
     k = rope(attn.k_proj(x).view(B, n, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)    # [B,Hkv,n,D]
@@ -98,7 +98,7 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
     kv.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))   # once per step, not once per use
     (k0, v0), diag = kv[0], kv[1:]
     scale = 1.0 / math.sqrt(s.head_dim)
-    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(_future(n), float("-inf"))]  # [B,nh,n,n]
+    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(_future(n, q.device), float("-inf"))]  # [B,nh,n,n]
     scores += [(q * kj).sum(-1, keepdim=True).float() * scale for kj, _ in diag]                  # [B,nh,n,1]
     p = torch.softmax(torch.cat(scores, -1), -1)                          # [B,nh,n,n+step]
     o = p[..., :n].to(v0.dtype) @ v0
@@ -109,9 +109,9 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
 
 
 @functools.lru_cache(maxsize=4)
-def _future(n: int) -> torch.Tensor:
+def _future(n: int, device: torch.device) -> torch.Tensor:
     """[n,n] bool, True above the diagonal: the keys a causal query must not see (built once per length)."""
-    return torch.ones(n, n, dtype=torch.bool).triu_(1)
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
 
 
 def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: torch.Tensor, tokens: torch.Tensor,
@@ -138,7 +138,7 @@ def ttt_loss(head: DraftHead, logits: torch.Tensor, top: torch.Tensor, feats: to
         valid = n - s                                                    # slots t <= T-2-s have token and teacher
         if valid <= 0:
             break
-        ids = torch.zeros(B, n, dtype=torch.long)
+        ids = torch.zeros(B, n, dtype=torch.long, device=tokens.device)
         ids[:, :valid] = tokens[:, 1 + s:]                               # x_{t+1+s}
         hidden = ttt_layer(head, hidden, ids, s, kv)                     # [B,n,H]
         pm = pm_all[:, s:]                                               # target at t+1+s: predicts x_{t+2+s}
@@ -180,6 +180,7 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
             head.lm_head.weight.copy_(target.lm_head.weight[keep])
             head.norm.weight.copy_(target.inner.norm.weight)
     teach = Teacher(target, data.tokens, keep, cfg.teacher_cache_gb, cfg.batch, teacher_cache)
+    dev = target.embed_weight.device   # the head trains where the target runs; batches are drawn on the host
     scale = feature_scale(teach, data, cfg) if cfg.precondition_fc else None
     coverage = float(data.token_counts(target.spec.vocab_size, mask)[t2d].sum()) / max(1, int(mask.sum()))
     print(f"eagle3: draft vocabulary {cfg.draft_vocab_size} of {target.spec.vocab_size} covers "
@@ -187,8 +188,8 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
 
     def loss_fn(step: int):
         idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, step))
-        return ttt_loss(head, *teach(idx), data.tokens[idx], mask[idx], t2d, cfg.ttt_steps, cfg.step_weight, scale,
-                        logged(step, cfg.optim.steps))
+        return ttt_loss(head, *teach(idx), data.tokens[idx].to(dev), mask[idx].to(dev), t2d.to(dev), cfg.ttt_steps,
+                        cfg.step_weight, scale, logged(step, cfg.optim.steps))
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle3 (TTT)",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),

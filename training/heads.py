@@ -15,7 +15,7 @@ ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embe
 
 
 def new_head(target: Target, config: dict, kind: str) -> DraftHead:
-    """A freshly initialised (nn.Linear defaults), trainable float32 head of `kind` for `target`.
+    """A freshly initialised (nn.Linear defaults), trainable float32 head of `kind` for `target`, on its device.
 
     Spec and RoPE come from `config` exactly as models.eagle.load_draft derives them, so the trained module and
     the one loaded back from disk compute the same function.
@@ -32,7 +32,7 @@ def new_head(target: Target, config: dict, kind: str) -> DraftHead:
                            **{k: config[k] for k in ROPE_KEYS if config.get(k) is not None})
     rope_cfg.max_position_embeddings = max(rope_cfg.max_position_embeddings, target.spec.max_context)
     head = DraftHead(spec, rope_cfg, target.inner.embed_tokens, target.lm_head)
-    return head.float().train().requires_grad_(True)
+    return head.float().to(target.embed_weight.device).train().requires_grad_(True)
 
 
 def layer_config(target: Target, cfg, eos_id: int | None) -> dict:
@@ -60,21 +60,22 @@ def layer_config(target: Target, cfg, eos_id: int | None) -> dict:
     }
 
 
-def causal_cache(target_or_head_kv: tuple[int, int, int], batch: int, dtype: torch.dtype) -> ConcatCache:
+def causal_cache(target_or_head_kv: tuple[int, int, int], batch: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> ConcatCache:
     """An empty functional cache for a full-sequence forward: (layers, kv heads, head dim)."""
     layers, kv_heads, head_dim = target_or_head_kv
-    empty = torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype)
+    empty = torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
     return ConcatCache([(empty, empty)] * layers)
 
 
 @torch.no_grad()
 def teacher(target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B,T] -> the target's logits [B,T,V] float32 and the features its head reads [B,T,F]
-    (whatever the target view was made with), from the same forward the runtime runs."""
+    (whatever the target view was made with), from the same forward the runtime runs, on the target's device."""
     B, T = tokens.shape
-    t = target.spec
-    cache = causal_cache((t.num_layers, t.num_kv_heads, t.head_dim), B, target.embed_weight.dtype)
-    return target(tokens, torch.arange(T).expand(B, T), causal_mask(T, 0, B), cache)
+    t, dev = target.spec, target.embed_weight.device
+    cache = causal_cache((t.num_layers, t.num_kv_heads, t.head_dim), B, target.embed_weight.dtype, dev)
+    return target(tokens.to(dev), torch.arange(T, device=dev).expand(B, T), causal_mask(T, 0, B, dev), cache)
 
 
 class Teacher:
@@ -104,16 +105,18 @@ class Teacher:
             self.logits, self.top, self.feats = teacher_outputs(target, tokens, keep, batch)
 
     def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """idx [B] -> logits [B,T,V'] float32, argmax [B,T] int64, features [B,T,F] float32."""
+        """idx [B] -> logits [B,T,V'] float32, argmax [B,T] int64, features [B,T,F] float32, on the target's
+        device (the cache itself stays in host memory)."""
         if self.cached:
-            return self.logits[idx].float(), self.top[idx], self.feats[idx]
+            dev = self.target.embed_weight.device
+            return self.logits[idx].to(dev).float(), self.top[idx].to(dev), self.feats[idx].to(dev)
         logits, top, feats = _forward(self.target, self.tokens[idx], self.keep)
         return logits.float(), top, feats.float()
 
 
 def _forward(target: Target, tokens: torch.Tensor, keep: torch.Tensor | None):
     logits, feats = teacher(target, tokens)
-    return (logits if keep is None else logits[..., keep]), logits.argmax(-1), feats
+    return (logits if keep is None else logits[..., keep.to(logits.device)]), logits.argmax(-1), feats
 
 
 @torch.no_grad()
@@ -129,7 +132,7 @@ def teacher_outputs(target: Target, tokens: torch.Tensor, keep: torch.Tensor | N
     logits = torch.empty(N, T, V, dtype=torch.bfloat16)
     top = torch.empty(N, T, dtype=torch.long)
     feats = torch.empty(N, T, target.feature_size)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(target.embed_weight.device.type, enabled=False):
         for i in tqdm(range(0, N, batch), desc="teacher outputs", leave=False):
             logits[i:i + batch], top[i:i + batch], feats[i:i + batch] = _forward(target, tokens[i:i + batch], keep)
     return logits, top, feats

@@ -28,20 +28,20 @@ class TauRow:
 
 
 def vanilla_outputs(target_dir: str | Path, prompts: list[list[int]], max_new_tokens: int = 128,
-                    backend=None) -> list[list[int]]:
+                    backend=None, device: str = "cpu") -> list[list[int]]:
     """Greedy continuations by the runtime without drafting: what every speculative output must equal."""
     from eaglex.runtime.generate import VanillaGenerator
     from eaglex.runtime.torch_backend import TorchBackend
 
-    gen = VanillaGenerator(backend or TorchBackend(target_dir))
+    gen = VanillaGenerator(backend or TorchBackend(target_dir, device=device))
     return [gen.generate(p, max_new_tokens).output_ids for p in prompts]
 
 
 def tau_table(target_dir: str | Path, drafts: dict[str, str | Path], prompts: list[list[int]],
               shapes: dict[str, TreeConfig] = SHAPES, max_new_tokens: int = 128, progress: bool = True,
-              vanilla: list[list[int]] | None = None) -> list[TauRow]:
+              vanilla: list[list[int]] | None = None, device: str = "cpu") -> list[TauRow]:
     """One row per (draft, shape); `drafts` maps a label to a head folder. `vanilla`: vanilla_outputs of the
-    prompts, when already computed."""
+    prompts, when already computed. The runtime runs in float32 on `device`."""
     from tqdm import tqdm
 
     from eaglex.runtime.generate import SpeculativeGenerator
@@ -49,7 +49,7 @@ def tau_table(target_dir: str | Path, drafts: dict[str, str | Path], prompts: li
 
     rows = []
     for label, draft_dir in drafts.items():
-        backend = TorchBackend(target_dir, draft_dir)
+        backend = TorchBackend(target_dir, draft_dir, device=device)
         if vanilla is None:
             vanilla = vanilla_outputs(target_dir, prompts, max_new_tokens, backend)
         for name, shape in shapes.items():

@@ -70,7 +70,8 @@ def generate(hf_model, prompts: list[list[int]], cfg: SelfDistillConfig) -> Self
     from tqdm import tqdm
 
     hf_model.eval()
-    gen = torch.Generator().manual_seed(cfg.seed)
+    dev = hf_model.device
+    gen = torch.Generator(device=dev).manual_seed(cfg.seed)   # sampling happens where the model runs
     n_sampled = round(len(prompts) * cfg.sampled_fraction)
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     length = min(len(p) for p in prompts) + cfg.new_tokens
@@ -89,9 +90,9 @@ def generate(hf_model, prompts: list[list[int]], cfg: SelfDistillConfig) -> Self
         if group:
             jobs.append((group, temp))
     for idx, temp in tqdm(jobs, desc="self-distillation data", mininterval=5.0):
-        p = torch.tensor([prompts[i] for i in idx])
+        p = torch.tensor([prompts[i] for i in idx], device=dev)
         seq = continue_batch(hf_model, p, cfg.new_tokens, temp, gen)
         start = seq.shape[1] - length                        # drop the front of longer prompts
-        tokens[idx] = seq[:, start:]
+        tokens[idx] = seq[:, start:].cpu()
         prompt_len[idx] = p.shape[1] - start
     return SelfDistillData(tokens, prompt_len)

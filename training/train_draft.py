@@ -52,8 +52,9 @@ class TrainDraftConfig:
 
 
 def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
-                cfg: TrainDraftConfig = TrainDraftConfig(), threads: int | None = None) -> dict:
-    """Returns the report written to OUT/train_report.json."""
+                cfg: TrainDraftConfig = TrainDraftConfig(), threads: int | None = None, device: str = "cpu") -> dict:
+    """Returns the report written to OUT/train_report.json. Generation, training and the τ report run on
+    `device` (the target in float32 there; training under bfloat16 autocast)."""
     from eaglex.models.errors import ModelError
     from eaglex.models.target import load_target
     from eaglex.prompts import load_tokenizer, read_prompts
@@ -65,7 +66,7 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
     out, threads = Path(out), threads or default_threads()
     ckpt = out / "checkpoints"
     ckpt.mkdir(parents=True, exist_ok=True)
-    target = load_target(target_dir)
+    target = load_target(target_dir, device=device)
     tokenizer = load_tokenizer(target_dir)
     prompts = builtin_chat(tokenizer, cfg.eval_prompts) if str(data_file) == BUILTIN_CHAT else \
         read_prompts(data_file, tokenizer)
@@ -92,7 +93,7 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
         hcfg = replace(cfg.eagle1, optim=replace(cfg.eagle1.optim, steps=cfg.steps))
         head, config, losses = train_eagle1(target, data, hcfg, eos, ckpt / "eagle1.pt", threads)
         save_eagle1(head, config, target, out)
-    rows = tau_table(target_dir, {cfg.method: out}, eval_prompts, SHAPES, cfg.eval_new_tokens)
+    rows = tau_table(target_dir, {cfg.method: out}, eval_prompts, SHAPES, cfg.eval_new_tokens, device=device)
     print(format_table(rows))
     report = {"method": cfg.method, "steps": cfg.steps, "train_sequences": int(data.tokens.shape[0]),
               "sequence_length": int(data.tokens.shape[1]), "first_loss": losses[0], "final_loss": losses[-1],
