@@ -117,8 +117,8 @@ clean:           ## remove build outputs (keeps .venv)
 	rm -rf build .pytest_cache
 
 .PHONY: smollm2
-smollm2: $(STAMP)  ## retrain models/smollm2-135m: EAGLE-3 + EAGLE-1/2 heads self-distilled from SmolLM2-135M-Instruct (~90 min on 2 idle cores, resumable)
-	$(BIN)/python tools/smollm2.py --out build/smollm2 --publish models/smollm2-135m
+smollm2: $(STAMP)  ## retrain models/smollm2-135m: EAGLE-3 + EAGLE-1/2 heads self-distilled from SmolLM2-135M-Instruct (~90 min on 2 idle cores, resumable; DEVICE=cuda: the committed heads' GPU recipe, ~8 min on an H200)
+	$(BIN)/python tools/smollm2.py --out build/smollm2$(if $(DEVICE),-gpu --device $(DEVICE) --preset gpu) --publish models/smollm2-135m
 
 .PHONY: tiny
 tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded

@@ -128,6 +128,11 @@ def _convert_into(src: Path, stage: Path) -> None:
     gen = model.generation_config
     if gen is not None and tokenizer.eos_token_id is not None and gen.eos_token_id is None:
         gen.eos_token_id = tokenizer.eos_token_id
+    # Newer transformers mark a GGUF-loaded model as quantized and refuse to save it; its weights are plain
+    # dequantized tensors, so it is saved as the unquantized model it now is.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(stage)
     tokenizer.save_pretrained(stage)
 

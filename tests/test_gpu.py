@@ -163,3 +163,33 @@ def test_onnxruntime_cuda_provider(models, cases_prompts, tmp_path):
         want = VanillaGenerator(cpu.backend).generate(p, MAX_NEW).output_ids
         assert VanillaGenerator(gpu.backend).generate(p, MAX_NEW).output_ids == want
         assert SpeculativeGenerator(gpu.backend, tree).generate(p, MAX_NEW).output_ids == want
+
+
+def test_head_trainers_run_on_the_device(models, tmp_path):
+    """Self-distillation, both trainers and the τ report on DEVICE (tools/smollm2.py --device cuda, eaglex
+    train-draft --device): the head trains where the target is, learns, and its saved file decodes losslessly."""
+    from dataclasses import replace as dc_replace
+
+    from eaglex.models.target import load_target
+    from eaglex.training.eagle1 import Eagle1Config, train_eagle1
+    from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
+    from eaglex.training.loop import OptimConfig
+    from eaglex.training.report import tau_table
+    from eaglex.training.selfdistill import SelfDistillConfig, generate
+
+    target = load_target(models["llama"], device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, target.spec.vocab_size, (16, 8), generator=g).tolist()
+    data = generate(target.hf, prompts, SelfDistillConfig(new_tokens=32, batch=16, sampled_fraction=0.5))
+    assert data.tokens.device.type == "cpu" and data.tokens.shape == (16, 40)
+    fast = OptimConfig(steps=30, lr=3e-3, warmup=3, checkpoint_every=0)
+    cfg3 = Eagle3Config(draft_vocab_size=40, ttt_steps=3, batch=8, teacher_cache_gb=0.0, optim=fast)
+    head, config, t2d, l3 = train_eagle3(target, data, cfg3)
+    assert next(head.parameters()).device.type == torch.device(DEVICE).type
+    assert sum(l3[-5:]) < sum(l3[:5]), l3
+    _, _, l1 = train_eagle1(target, data, Eagle1Config(batch=8, teacher_cache_gb=0.0, optim=dc_replace(fast)))
+    assert sum(l1[-5:]) < sum(l1[:5]), l1
+    save_eagle3(head, config, t2d, tmp_path / "head")
+    rows = tau_table(models["llama"], {"head": tmp_path / "head"}, prompts[:3], {"chain": TreeConfig.chain(3)},
+                     max_new_tokens=16, progress=False, device=DEVICE)
+    assert rows[0].identical == rows[0].prompts == 3

@@ -22,7 +22,7 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
                  greedy decoding (training/report.py); OUT/manifest.json and OUT/README.md
 
 --device cuda runs generation, training and the τ report on a GPU; the `gpu` preset sizes the data and the steps
-for one (14x the answers, batches of 32 sequences). GPU runs are not bit-reproducible (CUDA kernels reduce in
+for one (14x the answers, batches of 32 sequences: about 8 minutes on an H200). GPU runs are not bit-reproducible (CUDA kernels reduce in
 varying order), CPU runs are.
 
 Nothing here is specific to SmolLM2 but the default GGUF: --gguf takes any Llama-family chat GGUF, --target any
@@ -94,12 +94,13 @@ PRESETS = {
                                         optim=OptimConfig(steps=30, lr=2e-3, warmup=5, checkpoint_every=10)),
                          eval_prompts=4, eval_new_tokens=48, shapes=("chain:4", "dynamic:16/6/4")),
     # For one GPU (--device cuda): 13 sampled answers per prompt besides the greedy one (14x the data), batches of
-    # 32 sequences, and the target's forward in every training step instead of a host-memory cache.
+    # 32 sequences, and the target's forward in every training step instead of a host-memory cache. The step counts
+    # fill about 4 minutes of an H200 with both heads training side by side (0.10 / 0.14 s per step).
     "gpu": BuildConfig(sampled_fraction=13.0, temperature=0.8, gen_batch=1024,
                        eagle3=replace(BuildConfig().eagle3, batch=32, teacher_cache_gb=0.0,
-                                      optim=OptimConfig(steps=3000, lr=2e-3, warmup=100, checkpoint_every=500)),
+                                      optim=OptimConfig(steps=2208, lr=2e-3, warmup=100, checkpoint_every=500)),
                        eagle1=replace(BuildConfig().eagle1, batch=32, teacher_cache_gb=0.0,
-                                      optim=OptimConfig(steps=3000, lr=2e-3, warmup=100, checkpoint_every=500))),
+                                      optim=OptimConfig(steps=1169, lr=2e-3, warmup=100, checkpoint_every=500))),
 }
 
 
@@ -539,8 +540,8 @@ answer tokens; {sd["answers_ended"]} answers end inside the window), in {sec["to
 |---|---|
 {files}
 {rebuild}
-τ = tokens per target forward, greedy, {cfg["eval_new_tokens"]} new tokens per held-out prompt; the last column
-counts outputs identical to vanilla greedy decoding:
+τ = tokens per target forward, greedy, {cfg["eval_new_tokens"]} new tokens per held-out prompt, measured by the runtime in
+float32 on {"the same GPU" if gpu else "the CPU"}; the last column counts outputs identical to vanilla greedy decoding:
 
 {m["tau_table"]}
 

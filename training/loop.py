@@ -58,7 +58,7 @@ def digest(*tensors: torch.Tensor) -> str:
     import hashlib
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
