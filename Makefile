@@ -61,7 +61,7 @@ SMOL_OUT      ?= build/bench-smollm2.json
 LLAMACPP      ?= llama-cpp-python==0.3.36
 smol_engine = [ -d engines/smollm2-135m-$(1) ] || $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
-	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8,$(1)),--quant-draft)
+	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 eagle1,$(1)),--quant-draft)
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" $(BIN)/pip install -q $(LLAMACPP) \
