@@ -503,9 +503,8 @@ def cmd_import(args) -> int:
 
 
 def cmd_train_draft(args) -> int:
-    from eaglex.training.train_draft import TrainDraftConfig, train_draft
-
     from eaglex.runtime.device import resolve_device
+    from eaglex.training.train_draft import TrainDraftConfig, train_draft
 
     report = train_draft(args.target, args.data, args.out, TrainDraftConfig(method=args.method, steps=args.steps),
                          device=resolve_device(args.device))

@@ -22,8 +22,8 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
                  greedy decoding (training/report.py); OUT/manifest.json and OUT/README.md
 
 --device cuda runs generation, training and the τ report on a GPU; the `gpu` preset sizes the data and the steps
-for one (14x the answers, batches of 32 sequences: about 8 minutes on an H200). GPU runs are not bit-reproducible (CUDA kernels reduce in
-varying order), CPU runs are.
+for one (14 answers per prompt against the CPU recipe's 1.25, batches of 32 sequences: about 8 minutes on an H200).
+GPU runs are not bit-reproducible (CUDA kernels reduce in varying order), CPU runs are.
 
 Nothing here is specific to SmolLM2 but the default GGUF: --gguf takes any Llama-family chat GGUF, --target any
 converted folder with a chat template.
@@ -49,6 +49,7 @@ from eaglex.fsio import write_text
 from eaglex import chat_prompts
 from eaglex.models.errors import ModelError
 from eaglex.presets import preset_target_file
+from eaglex.runtime.device import resolve_device
 from eaglex.training import loop
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
@@ -486,7 +487,8 @@ def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: s
     seconds["total"] = round(time.perf_counter() - t_all, 1)
     seconds = _first_run_seconds(out / "manifest.json", cfg, seconds)
     manifest = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
-                "lanes": lanes, "device": _device_name(device), **info, "tau": tau, "tau_table": table, "seconds": seconds, "config": asdict(cfg)}
+                "lanes": lanes, "device": _device_name(device), **info, "tau": tau, "tau_table": table,
+                "seconds": seconds, "config": asdict(cfg)}
     write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     write_text(out / "README.md", model_card(manifest))
     return manifest
@@ -620,7 +622,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes:
         cfg = replace(cfg, shapes=tuple(s.strip() for s in args.shapes.split(",")))
     try:
-        from eaglex.runtime.device import resolve_device
         device = str(resolve_device(args.device))
         m = build(args.out, args.gguf or preset_target_file("smollm2-135m"), cfg, args.lanes, args.until, device)
     except ModelError as e:

@@ -98,7 +98,8 @@ def ttt_layer(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, st
     kv.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))   # once per step, not once per use
     (k0, v0), diag = kv[0], kv[1:]
     scale = 1.0 / math.sqrt(s.head_dim)
-    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(_future(n, q.device), float("-inf"))]  # [B,nh,n,n]
+    future = _future(n, q.device)
+    scores = [(q @ k0.transpose(-1, -2)).float().mul_(scale).masked_fill_(future, float("-inf"))]  # [B,nh,n,n]
     scores += [(q * kj).sum(-1, keepdim=True).float() * scale for kj, _ in diag]                  # [B,nh,n,1]
     p = torch.softmax(torch.cat(scores, -1), -1)                          # [B,nh,n,n+step]
     o = p[..., :n].to(v0.dtype) @ v0
@@ -181,6 +182,7 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
             head.norm.weight.copy_(target.inner.norm.weight)
     teach = Teacher(target, data.tokens, keep, cfg.teacher_cache_gb, cfg.batch, teacher_cache)
     dev = target.embed_weight.device   # the head trains where the target runs; batches are drawn on the host
+    t2d_dev = t2d.to(dev)
     scale = feature_scale(teach, data, cfg) if cfg.precondition_fc else None
     coverage = float(data.token_counts(target.spec.vocab_size, mask)[t2d].sum()) / max(1, int(mask.sum()))
     print(f"eagle3: draft vocabulary {cfg.draft_vocab_size} of {target.spec.vocab_size} covers "
@@ -188,7 +190,7 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
 
     def loss_fn(step: int):
         idx = torch.randint(data.tokens.shape[0], (cfg.batch,), generator=step_generator(cfg.seed, step))
-        return ttt_loss(head, *teach(idx), data.tokens[idx].to(dev), mask[idx].to(dev), t2d.to(dev), cfg.ttt_steps,
+        return ttt_loss(head, *teach(idx), data.tokens[idx].to(dev), mask[idx].to(dev), t2d_dev, cfg.ttt_steps,
                         cfg.step_weight, scale, logged(step, cfg.optim.steps))
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle3 (TTT)",

@@ -31,7 +31,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     beta2: float = 0.95
     grad_clip: float = 0.5           # max global grad norm, as the official EAGLE-3 recipe
-    bf16: bool = True                # bfloat16 autocast for forwards (AMX/AVX512-BF16 CPUs run it 2-3x faster; GPUs too)
+    bf16: bool = True                # bfloat16 autocast for forwards (GPUs, and AMX/AVX512-BF16 CPUs: 2-3x faster)
     checkpoint_every: int = 100      # steps between checkpoints (0: only at the end)
 
     def lr_at(self, step: int) -> float:
