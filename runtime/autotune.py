@@ -14,7 +14,7 @@ from .types import TreeConfig
 
 CANDIDATES = tuple(TreeConfig.parse(t) for t in (
     "chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "dynamic:6/4/2", "dynamic:8/5/3",
-    "dynamic:12/6/4", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10"))
+    "dynamic:10/6/3", "dynamic:12/6/4", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10"))
 
 
 @dataclass(frozen=True)
