@@ -64,6 +64,7 @@ def write_text(path: Path, text: str) -> None:
     """Atomic: a crash leaves the old file or the new one, never half of one (the temp name is per process, so
     two writers never share it)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)      # e.g. build/ on a fresh clone
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -274,10 +274,11 @@ def test_cli_engine_generate_and_errors(engines, tmp_path, capsys):
 
 def test_cli_bench_engine(engines, tmp_path, capsys):
     """`eaglex bench` on an engine: vanilla + chain + tree rows, identical outputs, a cost model measured in rounds
-    between the prompts, decode-phase speedups next to the prediction, and the load average recorded."""
+    between the prompts, decode-phase speedups next to the prediction, and the load average recorded. The JSON's
+    folder need not exist yet (build/ on a fresh clone)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": list(range(i, i + 6))}) + "\n" for i in range(3)))
-    out = tmp_path / "bench.json"
+    out = tmp_path / "build" / "bench.json"
     assert main(["bench", "--engine", str(engines["llama-eagle3"]), "--prompts", str(prompts), "--trees",
                  "chain:3,dynamic:8/5/3", "--max-new-tokens", "16", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
