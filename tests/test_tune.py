@@ -173,3 +173,33 @@ def test_engine_demo_says_tuning_chose_vanilla(vanilla_tuned, prompts, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "head eagle3 chain:2" in lines[-2] and "identical: yes" in lines[-2]
     assert lines[-1].startswith("tuning measured vanilla faster than every tree") and "--method eagle3" in lines[-1]
+
+
+def test_autotune_alternates_the_ladder_and_brackets_it_with_vanilla(monkeypatch):
+    """The host's speed drifts during tuning: even prompts run the ladder forwards, odd ones backwards, vanilla runs
+    before and after each prompt's ladder and counts as the mean of the two; outputs that differ disqualify."""
+    import eaglex.runtime.autotune as at
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Fake:
+        def __init__(self, backend, tree=None):
+            self.tree = tree
+
+        def generate(self, prompt, n):
+            calls.append((str(self.tree or "vanilla"), prompt[0]))
+            seconds = {None: 2.0 if sum(c[0] == "vanilla" for c in calls) % 2 else 4.0}.get(self.tree, 1.0)
+            out = [7] * n if str(self.tree) != "chain:2" else [8] * n
+            return SimpleNamespace(seconds=seconds, output_ids=out, accept_lengths=[2])
+
+    monkeypatch.setattr(at, "VanillaGenerator", Fake)
+    monkeypatch.setattr(at, "SpeculativeGenerator", Fake)
+    trees = tuple(TreeConfig.parse(t) for t in ("chain:1", "chain:2", "dynamic:6/4/2"))
+    best, rows = at.autotune(SimpleNamespace(), [[10], [11]], max_new_tokens=3, candidates=trees)
+    timed = calls[1 + len(trees):]                        # after the warm-ups
+    assert timed == [("vanilla", 10), ("chain:1", 10), ("chain:2", 10), ("dynamic:6/4/2", 10), ("vanilla", 10),
+                     ("vanilla", 11), ("dynamic:6/4/2", 11), ("chain:2", 11), ("chain:1", 11), ("vanilla", 11)]
+    assert rows[0].seconds == pytest.approx(6.0)          # (2 + 4) / 2 per prompt
+    assert [r.identical for r in rows[1:]] == [True, False, True]
+    assert best == trees[0]                               # ties go to the first identical shape
