@@ -15,8 +15,9 @@ from eaglex.runtime.batch_backend import batch_backend
 from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.manifest import read_manifest, write_manifest
 
-# Tokens per tuning prompt: a chat answer's length, not just its opening. On SmolLM2 (2 cores) tuning at 64 tokens
-# picked chain:2, which runs 128-token answers at 1.52x vanilla, where dynamic:10/6/3 runs them at 1.65x.
+# Tokens per tuning prompt: a chat answer's length, not just its opening. An answer's opening is drafted worse than
+# its body, so short runs undervalue trees against chains and weigh the prefill more: on SmolLM2 (2 cores) tuning at
+# 64 tokens picked chain:2, which runs 128-token answers at 1.52x vanilla, where dynamic:10/6/3 runs them at 1.65x.
 TUNE_TOKENS = 128
 
 
@@ -36,8 +37,6 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
             f"tree {engine.tree} (tuned on {where})")
         return
     log("tuning the tree on this machine (vanilla vs chains and trees, interleaved) ...")
-    # TUNE_TOKENS per prompt: an answer's opening is drafted worse than its body, so short runs undervalue trees
-    # against chains and weigh the prefill more.
     best, rows = autotune(engine.backend, prompts[:4], max_new_tokens=TUNE_TOKENS)
     for r in rows:
         log(f"  {r.tree or 'vanilla'!s:<18} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
