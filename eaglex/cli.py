@@ -216,6 +216,48 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--copy", action="store_true", help="copy the engine into the repository (portable)")
     tri.add_argument("--force", action="store_true", help="replace the model folder if it exists")
 
+    srv = sub.add_parser("serve", help="serve an engine on 127.0.0.1: the OpenAI API and Triton's, supervised")
+    srv_sub = srv.add_subparsers(dest="action", required=True)
+    for action, text in (("start", "start in the background; returns once the model is ready"),
+                         ("run", "run in the foreground (systemd, containers); Ctrl-C or SIGTERM stops it")):
+        p = srv_sub.add_parser(action, help=text, description=text)
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--engine", type=Path, help="engine folder (`eaglex build`, `make engine`) or a folder with "
+                                                     "target/ and draft/: written as DIR/model_repository")
+        src.add_argument("--repo", type=Path, help="serve this Triton model repository as it is (`eaglex triton`)")
+        p.add_argument("--dir", type=Path, default=Path("build/serve"),
+                       help="the deployment's folder: repository, settings, pid, state, logs (default build/serve)")
+        p.add_argument("--name", default="eaglex", help="the model's name (OpenAI's `model`; default eaglex)")
+        p.add_argument("--http-port", type=int, default=8000,
+                       help="public HTTP port: OpenAI API (/v1) and Triton's HTTP API (/v2); 0 picks a free one")
+        p.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC port (0: a free one)")
+        p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics (0: a free one)")
+        p.add_argument("--max-batch", type=int, default=16,
+                       help="requests decoded together by in-flight batching (default 16; 0: one at a time)")
+        p.add_argument("--max-queue-size", type=int, default=64,
+                       help="requests that may wait for a batch slot; more are refused with 503 (default 64)")
+        p.add_argument("--max-context", type=int, default=0,
+                       help="longest prompt + new tokens per request (0: the model's, or what fits in half the "
+                            "memory available with batching)")
+        p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the backend's default)")
+        p.add_argument("--vanilla", action="store_true", help="serve without drafting (for comparisons)")
+        p.add_argument("--chat", action="store_true",
+                       help="Triton's text_input is the user's message, wrapped with the chat template (the OpenAI "
+                            "API's /v1/chat/completions always applies it; /v1/completions never does)")
+        p.add_argument("--open-admin-api", action="store_true",
+                       help="leave Triton's shared-memory, model-repository, logging and trace APIs open to any "
+                            "client (default: restricted to a key in DIR/admin-key)")
+        p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every request but the health "
+                                         "checks (default: the environment's EAGLEX_API_KEY, else none)")
+        p.add_argument("--timeout", type=float, default=300, help="seconds to wait for the model to be ready")
+        p.add_argument("--exit-timeout", type=int, default=30, help="seconds Triton may take to finish at stop")
+        p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
+        p.add_argument("--max-json-depth", type=int, default=64, help="deepest JSON nesting accepted")
+    for action, text in (("status", "is the server of --dir ready? (exit 0 ready, 1 not ready, 3 not running)"),
+                         ("stop", "stop the server of --dir and say what happened while it ran")):
+        p = srv_sub.add_parser(action, help=text, description=text)
+        p.add_argument("--dir", type=Path, default=Path("build/serve"), help="the deployment's folder")
+
     imp = sub.add_parser("import", help="convert a Llama-family GGUF file into a Hugging Face target folder")
     imp.add_argument("--gguf", type=Path, required=True, help="the .gguf file (F32, F16, BF16, Q8_0, Q4_x, ...)")
     imp.add_argument("--out", type=Path, required=True, help="folder to write (config, safetensors, tokenizer)")
@@ -478,12 +520,12 @@ def cmd_triton(args) -> int:
     if args.backend == "tensorrt-llm":
         if args.chat:       # TensorRT-LLM's llmapi model takes text_input as it is
             raise ModelError("--chat applies to --backend eaglex only")
-        from eaglex.engines.triton_trtllm import write_llmapi_repository
+        from eaglex.serving.trtllm_repository import write_llmapi_repository
         model = write_llmapi_repository(args.engine, args.out, args.name or "tensorrt_llm", args.template,
                                         args.max_batch_size, args.decoupled, args.force)
         print(f"wrote {model} (TensorRT-LLM llmapi model for {args.engine.resolve()})")
         return 0
-    from eaglex.engines.triton.repository import write_repository
+    from eaglex.serving.repository import write_repository
 
     max_batch = args.max_batch if args.max_batch is not None else 16 if args.instances == 1 else 0
     model = write_repository(args.engine, args.out, args.name or "eaglex", args.instances, args.max_queue_size,
@@ -492,7 +534,66 @@ def cmd_triton(args) -> int:
     how = f"batching up to {max_batch} requests" if max_batch else f"{args.instances} instance(s)"
     how += ", chat template on text_input" if args.chat else ""
     print(f"wrote {model} (engine {args.engine.resolve()}, {how}); serve it with\n"
-          f"  make serve ENGINE={args.engine}   (docs/triton.md)")
+          f"  eaglex serve start --repo {args.out}   (docs/triton.md)")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import os
+    import time
+
+    from eaglex.serving import control
+    from eaglex.serving.config import API_KEY_ENV, ServeConfig
+    from eaglex.serving.repository import write_repository
+    from eaglex.serving.supervisor import Supervisor
+    from eaglex.serving.tritonserver import TritonUnavailable, triton_root
+
+    if args.action == "status":
+        r = control.running(args.dir)
+        if r is None:
+            print(f"no server is running from {args.dir}")
+            return 3
+        print(control.describe(*r))
+        return 0 if r[1].get("ready") else 1
+    if args.action == "stop":
+        st = control.stop(args.dir)
+        if not st:
+            print(f"no server is running from {args.dir}")
+            return 0
+        print(control.summary(st))
+        return 0 if not (st.get("stopped") or {}).get("left") else 1
+    if (r := control.running(args.dir)) is not None:      # before the repository is rewritten under it
+        raise ModelError(f"a server is already running from {args.dir} (supervisor pid {r[0]}, ready "
+                         f"{r[1].get('ready')}): use it, or stop it first (eaglex serve stop --dir {args.dir})")
+    try:
+        triton_root()
+    except TritonUnavailable as e:
+        raise ModelError(str(e)) from None
+    repo = args.repo
+    if args.engine is not None:
+        repo = args.dir / "model_repository"
+        write_repository(args.engine, repo, args.name, 1, args.max_queue_size,
+                         args.threads, "vanilla" if args.vanilla else "default", force=True,
+                         max_batch=args.max_batch, chat_template=args.chat, max_context=args.max_context)
+    elif not args.repo.is_dir():
+        raise ModelError(f"{args.repo} is not a model repository folder")
+    config = ServeConfig(str(repo.resolve()), str(args.dir.resolve()), args.http_port, args.grpc_port,
+                         args.metrics_port, args.exit_timeout, args.timeout, args.open_admin_api,
+                         args.max_body_bytes, args.max_json_depth)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if args.action == "run":
+        config.folder.mkdir(parents=True, exist_ok=True)
+        config.save()
+        return asyncio.run(Supervisor(config, api_key).run())
+    t0 = time.monotonic()
+    try:
+        served = control.start(config, api_key)
+    except RuntimeError as e:
+        print(f"eaglex serve: {e}", file=sys.stderr)
+        return 1
+    print(f"ready in {time.monotonic() - t0:.1f} s")
+    print(control.describe(served.pid, served.state()))
     return 0
 
 
@@ -526,7 +627,7 @@ def _gguf_targets(args) -> None:
 
 COMMANDS = {"generate": cmd_generate, "check": cmd_check, "engine": cmd_engine, "bench": cmd_bench,
             "build": cmd_build, "calibrate": cmd_calibrate, "triton": cmd_triton, "train-draft": cmd_train_draft,
-            "import": cmd_import}
+            "import": cmd_import, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

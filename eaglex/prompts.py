@@ -37,6 +37,13 @@ def has_chat_template(tokenizer) -> bool:
     return bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the tokenizer's chat template, ending with the assistant's generation prompt."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (a Mapping, not a dict) where 4.x returned the ids
+    return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
 def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
     if "input_ids" in record:
         ids = record["input_ids"]
@@ -52,10 +59,7 @@ def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
         if chat:
             if not has_chat_template(tokenizer):
                 raise ModelError(f"{where}: --chat needs a tokenizer with a chat template")
-            out = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
-                                                add_generation_prompt=True, tokenize=True)
-            # transformers 5 returns a BatchEncoding (a Mapping, not a dict) where 4.x returned the ids
-            return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+            return chat_ids(tokenizer, [{"role": "user", "content": record["prompt"]}])
         return tokenizer(record["prompt"])["input_ids"]
     raise ModelError(f"{where}: each line needs a \"prompt\" or an \"input_ids\" field")
 

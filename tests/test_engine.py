@@ -9,7 +9,7 @@ import pytest
 
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.engines.triton.loader import load
+from eaglex.serving.loader import load
 from eaglex.engines.tune import tune_engine
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import chi2_sf, chi_square

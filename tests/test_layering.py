@@ -7,6 +7,7 @@
     calibration   <- models
     training      <- models, runtime, export
     engines       <- models, runtime, export, calibration, training
+    serving       <- models, runtime, engines
     the CLI layer (eaglex/*.py) <- everything
 
 A new edge against these rules fails here, naming the file and the import."""
@@ -16,7 +17,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ("models", "runtime", "export", "calibration", "training", "engines")
+LAYERS = ("models", "runtime", "export", "calibration", "training", "engines", "serving")
 LEAVES = {"eaglex.fsio", "eaglex.prompts", "eaglex.chat_prompts", "eaglex.models.errors"}
 ALLOWED = {
     "models": {"models"},
@@ -25,6 +26,7 @@ ALLOWED = {
     "calibration": {"models", "calibration"},
     "training": {"models", "runtime", "export", "training"},
     "engines": {"models", "runtime", "export", "calibration", "training", "engines"},
+    "serving": {"models", "runtime", "engines", "serving"},
     "leaf": set(),
     "cli": set(LAYERS) | {"cli"},
 }
@@ -109,4 +111,4 @@ def test_a_planted_upward_import_fails():
 
 def test_relative_imports_resolve():
     assert imports("from .manifest import MANIFEST\n", "eaglex.runtime.engine")[0] == "eaglex.runtime.manifest"
-    assert imports("from ..runtime import types\n", "eaglex.engines.triton.loader")[0] == "eaglex.engines.runtime"
+    assert imports("from ..runtime import types\n", "eaglex.serving.model.loader")[0] == "eaglex.serving.runtime"

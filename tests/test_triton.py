@@ -2,7 +2,7 @@
 nvidia-pytriton bundles, on loopback ports, serving a repository written by `eaglex triton` for the Llama fixture
 with its EAGLE-3 head and a character-level tokenizer.
 
-Server tests, through the supervised server `make serve` runs (tools/triton_server.py: its HTTP front, then
+Server tests, through the supervised server `eaglex serve` runs (eaglex.serving: its HTTP front, then
 tritonserver): 16 concurrent requests (greedy and sampling, short and long) whose greedy outputs equal vanilla
 decoding; streamed chunks that join to the one-shot output; every bad input answered with its error while the
 server stays ready; cancelled and disconnected clients; custom metrics; a clean stop that leaves no process and no
@@ -28,20 +28,19 @@ import numpy as np
 import pytest
 
 from eaglex.cli import main
-from eaglex.engines.triton.repository import write_repository
-from eaglex.engines.triton.request import Limits, RequestError, parse, tokenize
-from eaglex.engines.triton.textstream import TextStream
 from eaglex.models.errors import ModelError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import triton_server  # noqa: E402  (tools/triton_server.py: the supervised server `make serve` runs)
+from eaglex.serving import control, processes, tritonserver
+from eaglex.serving.config import ServeConfig
+from eaglex.serving.repository import write_repository
+from eaglex.serving.request import Limits, RequestError, parse, tokenize
+from eaglex.serving.textstream import TextStream
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;()"      # 47 characters + the EOS token = the 48 ids
 
 try:
-    triton_server.triton_root()
+    tritonserver.triton_root()
     NO_TRITON = None
-except triton_server.TritonUnavailable as e:
+except tritonserver.TritonUnavailable as e:
     NO_TRITON = str(e)
 needs_triton = pytest.mark.skipif(NO_TRITON is not None, reason=f"tritonserver cannot be used: {NO_TRITON}")
 
@@ -239,7 +238,7 @@ def test_write_repository_chat_template(tmp_path, models, capsys):
 
 
 def test_layouts(tmp_path, models):
-    from eaglex.engines.triton.loader import layout
+    from eaglex.serving.loader import layout
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "manifest.json").write_text("{}")
     assert layout(tmp_path / "engine") == "engine" and layout(models["llama"]) == "hf"
@@ -321,9 +320,9 @@ FAKE_PB.__dict__.update(Tensor=_Tensor, InferenceResponse=_Response, TritonError
 
 
 def model_module():
-    """engines/triton/model.py, importing FAKE_PB as triton_python_backend_utils."""
+    """serving/model.py, importing FAKE_PB as triton_python_backend_utils."""
     sys.modules.setdefault("triton_python_backend_utils", FAKE_PB)
-    from eaglex.engines.triton import model
+    from eaglex.serving import model
     assert model.pb_utils is FAKE_PB, "a real triton_python_backend_utils was imported first"
     return model
 
@@ -473,11 +472,11 @@ def checkpoint(models, tmp_path_factory):
     return root
 
 
-def serve(repo, work, **kw) -> "triton_server.Served":
-    """The supervised server on free loopback ports, as `make serve` starts it; `stop_served` stops it."""
+def serve(repo, work, api_key=None, **kw) -> control.Served:
+    """The supervised server on free loopback ports, as `eaglex serve start` starts it; `stop_served` stops it."""
     t0 = time.monotonic()
-    srv = triton_server.start(repo, work / "server.pid", work, http_port=0, grpc_port=0, metrics_port=0,
-                              exit_timeout=20, timeout=150, **kw)
+    srv = control.start(ServeConfig(str(repo), str(work), http_port=0, grpc_port=0, metrics_port=0, exit_timeout=20,
+                                    ready_timeout=150, **kw), api_key)
     srv.startup_seconds = time.monotonic() - t0
     return srv
 
@@ -487,11 +486,11 @@ def stop_served(srv) -> dict:
     pgid, shm, t0 = srv.server_pid, srv.state().get("shm", []), time.monotonic()
     st = srv.stop()
     seconds = time.monotonic() - t0
-    left = triton_server.group_pids(pgid) if pgid else []
+    left = processes.group_pids(pgid) if pgid else []
     if left:                                          # never leave a process behind, even when the test fails
-        triton_server.stop_group(pgid, 1)
+        processes.stop_group(pgid, 1)
     assert not left, f"processes left behind: {left}"
-    assert not triton_server.alive(srv.pid), "the supervisor is still running"
+    assert not processes.alive(srv.pid), "the supervisor is still running"
     assert not [n for n in shm if Path(f"/dev/shm/{n}").exists()], "shared-memory files left behind"
     stopped = st.get("stopped", {})
     assert stopped.get("how") == "exited cleanly", f"{stopped}:\n{srv.log_tail()}"

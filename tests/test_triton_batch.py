@@ -1,6 +1,6 @@
 """The Triton model in batching mode (`eaglex triton --max-batch N`, the default): one instance whose engine thread
 decodes every request in flight, against the real tritonserver on loopback through the supervised server
-(tools/triton_server.py), serving the Llama fixture with its EAGLE-3 head.
+(eaglex serve), serving the Llama fixture with its EAGLE-3 head.
 
 - concurrent requests, greedy and sampled, one-shot and streamed, with bad requests and clients that hang up
   mid-stream mixed in: every greedy output is the alone-vanilla one, streamed chunks join to it, equal seeds give
@@ -26,7 +26,7 @@ import pytest
 from test_triton import (GREEDY_PROMPTS, FakeRequest, checkpoint, counter, ids_of, load_in_process,  # noqa: F401
                          metrics, model_module, needs_triton, post, reference, serve, stop_served)
 
-from eaglex.engines.triton.repository import write_repository
+from eaglex.serving.repository import write_repository
 
 MAX_BATCH, MAX_QUEUE = 4, 24
 

@@ -1,5 +1,5 @@
 """kill -9 of the batching model's stub while a full batch decodes, against the real tritonserver through the
-supervised server (tools/triton_server.py), on a server of its own (it ends with an old model version that Triton
+supervised server (eaglex serve), on a server of its own (it ends with an old model version that Triton
 cannot unload, so its stop is the quick one for that case): the requests that were inside the dead stub end with the
 front's error event instead of waiting forever, the supervisor reloads the model, the next batched requests are
 exact, and the stop leaves no process or shared-memory file behind."""
@@ -14,10 +14,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from test_triton import (GREEDY_PROMPTS, checkpoint, ids_of, needs_triton, post, reference, serve,  # noqa: F401
-                         triton_server)
+from test_triton import GREEDY_PROMPTS, checkpoint, ids_of, needs_triton, post, reference, serve  # noqa: F401
 
-from eaglex.engines.triton.repository import write_repository
+from eaglex.serving.processes import group_pids, stop_group, stubs
+from eaglex.serving.repository import write_repository
 
 MAX_BATCH, MAX_QUEUE = 4, 24
 LONG = ["hello world", "a", "draft then verify", "the quick brown fox"]   # 300-400 greedy tokens each: one per slot
@@ -76,7 +76,7 @@ def test_killed_stub_under_batched_requests_is_replaced_and_serves_exactly(  # n
                      max_queue_size=MAX_QUEUE)
     srv = serve(tmp_path / "repo", tmp_path)
     try:
-        stub_pid, = triton_server.stubs(srv.server_pid)
+        stub_pid, = stubs(srv.server_pid)
         streams = [open_stream(srv, {"text_input": text, "max_tokens": 400}) for text in LONG]
         t0 = time.monotonic()
         os.kill(stub_pid, signal.SIGKILL)
@@ -96,7 +96,7 @@ def test_killed_stub_under_batched_requests_is_replaced_and_serves_exactly(  # n
         for b, (status, out) in zip(bodies, results):
             assert status == 200 and ids_of(out["output_ids"]) == run_vanilla(b["text_input"], 40), (b, out)
         st = srv.state()
-        assert st["reloads"] + st["restarts"] >= 1 and stub_pid not in triton_server.stubs(srv.server_pid)
+        assert st["reloads"] + st["restarts"] >= 1 and stub_pid not in stubs(srv.server_pid)
         assert any(f"ended {len(LONG)} request(s) that were inside the dead backend process" in e["event"]
                    for e in st["events"])
         print(f"\n[triton batch] stub killed under {len(LONG)} batched streams: they ended after {cut:.1f} s, "
@@ -106,8 +106,8 @@ def test_killed_stub_under_batched_requests_is_replaced_and_serves_exactly(  # n
         pgid, shm, t0 = srv.server_pid, srv.state().get("shm", []), time.monotonic()
         st = srv.stop()
         seconds = time.monotonic() - t0
-        left = triton_server.group_pids(pgid) if pgid else []
+        left = group_pids(pgid) if pgid else []
         if left:
-            triton_server.stop_group(pgid, 1)
+            stop_group(pgid, 1)
     assert seconds < 15, f"stop took {seconds:.1f} s: {st['stopped']}"
     assert not left and not [n for n in shm if Path(f"/dev/shm/{n}").exists()], (left, shm)

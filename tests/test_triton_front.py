@@ -1,4 +1,4 @@
-"""The HTTP front of the supervised Triton server (tools/triton_front.py), without Triton: its body checks, its
+"""The HTTP front of the supervised Triton server (eaglex.serving.front), without Triton: its body checks, its
 routing, and the proxy itself against a fake upstream on loopback (keep-alive, chunked bodies, 100-continue,
 streamed responses relayed as they come, a client hanging up, Triton's "Stub process ... is not healthy" turned into
 a 503, readiness answers, admin APIs, limits). test_triton_robust.py runs it in front of the real server."""
@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from triton_front import (Front, check_generate, check_infer, check_value, json_depth_ok,  # noqa: E402
-                          route)
+from eaglex.serving.front import Front, check_generate, check_infer, check_value, json_depth_ok, route
 
 INPUTS = {"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "temperature": "TYPE_FP32",
           "seed": "TYPE_UINT64", "stream": "TYPE_BOOL", "input_ids": "TYPE_INT32"}

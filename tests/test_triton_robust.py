@@ -1,5 +1,5 @@
 """What must not take the Triton deployment down, against the real tritonserver on loopback, started and stopped
-through the command line `make serve` / `make serve-stop` use (tools/triton_server.py):
+through the command line `make serve` / `make serve-stop` use (`eaglex serve`):
 
 - a ~200 KB body of nested JSON (it kills tritonserver 2.51 itself) and oversized bodies: refused by the front;
 - integers beyond their input's type (max_tokens 2^32+1 would wrap to 1) and wrong JSON types: 400, not 500;
@@ -24,17 +24,21 @@ import time
 from pathlib import Path
 
 import pytest
-from test_triton import checkpoint, ids_of, metrics, needs_triton, post, stop_served, triton_server  # noqa: F401
+from test_triton import checkpoint, ids_of, metrics, needs_triton, post, stop_served  # noqa: F401
 
-from eaglex.engines.triton.repository import write_repository
+from eaglex.serving import control
+from eaglex.serving.config import ServeConfig
+from eaglex.serving.processes import alive, group_pids, stubs
+from eaglex.serving.repository import write_repository
+from eaglex.serving.tritonserver import http as http_call
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "triton_server.py"
+SERVE = [sys.executable, "-m", "eaglex.cli", "serve"]
 RECOVERY_S = 30.0                     # a valid request is served again within this after a kill
 pytestmark = needs_triton
 
 
 def http(srv, method: str, path: str, body: bytes | None = None, headers: dict | None = None, url=None):
-    status, data = triton_server.http(method, f"{url or srv.url}{path}", headers or {}, body, timeout=60)
+    status, data = http_call(method, f"{url or srv.url}{path}", headers or {}, body, timeout=60)
     try:
         return status, json.loads(data) if data else {}
     except ValueError:
@@ -58,22 +62,20 @@ def served(checkpoint, tmp_path_factory):  # noqa: F811
     """One instance, started and stopped with the command line (what `make serve` / `make serve-stop` run)."""
     work = tmp_path_factory.mktemp("triton-robust")
     write_repository(checkpoint, work / "repo", "eaglex", instances=1, threads=1, max_queue_size=8)
-    pid_file = work / "server.pid"
-    out = subprocess.run([sys.executable, str(TOOL), "start", "--repo", str(work / "repo"), "--pid-file",
-                          str(pid_file), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-                          "--exit-timeout", "20", "--timeout", "150", "--max-body-bytes", "300000"],
-                         capture_output=True, text=True, timeout=200)
+    start = SERVE + ["start", "--repo", str(work / "repo"), "--dir", str(work), "--http-port", "0", "--grpc-port",
+                     "0", "--metrics-port", "0", "--exit-timeout", "20", "--timeout", "150", "--max-body-bytes",
+                     "300000"]
+    out = subprocess.run(start, capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ready in" in out.stdout and "admin APIs restricted" in out.stdout, out.stdout
-    check = subprocess.run([sys.executable, str(TOOL), "check", "--pid-file", str(pid_file)], capture_output=True,
-                           text=True, timeout=30)
-    assert check.returncode == 1 and "already running" in check.stderr
-    srv = triton_server.Served(pid_file)
+    again = subprocess.run(start, capture_output=True, text=True, timeout=30)
+    assert again.returncode == 2 and "already running" in again.stderr, again.stderr
+    srv = control.Served(work)
     srv.expected = {}                 # prompt -> output ids, measured while nothing had been killed yet
     try:
         yield srv
     finally:
-        if triton_server.running(pid_file) is not None:
+        if control.running(work) is not None:
             stop_served(srv)
 
 
@@ -233,9 +235,9 @@ def test_cancelled_requests_count_their_tokens(served):
 
 
 def test_killed_stub_is_reloaded(served):
-    stubs = triton_server.stubs(served.server_pid)
-    assert len(stubs) == 1, stubs
-    stub_pid, = stubs
+    stub_map = stubs(served.server_pid)
+    assert len(stub_map) == 1, stub_map
+    stub_pid, = stub_map
     t0 = time.monotonic()
     os.kill(stub_pid, signal.SIGKILL)
     # readiness says so at once (the supervisor looks every 0.25 s), and requests get 503, not 400
@@ -250,7 +252,7 @@ def test_killed_stub_is_reloaded(served):
     assert ids == served.expected["hello world"], f"not served again within {RECOVERY_S} s"
     assert served.ready() and http(served, "GET", "/v2/health/live")[0] == 200
     st = served.state()
-    assert st["reloads"] + st["restarts"] >= 1 and stub_pid not in triton_server.stubs(served.server_pid)
+    assert st["reloads"] + st["restarts"] >= 1 and stub_pid not in stubs(served.server_pid)
     print(f"\n[triton] stub killed: served again after {seconds:.1f} s ({st['reloads']} reload(s), "
           f"{st['restarts']} restart(s))", file=sys.stderr)
 
@@ -291,20 +293,19 @@ def test_upstream_crash_on_nested_json_still_exists_and_is_survived(served):
 
 
 def test_status_and_a_quick_stop_that_says_what_happened(served):
-    out = subprocess.run([sys.executable, str(TOOL), "status", "--pid-file", str(served.pid_file)],
+    out = subprocess.run(SERVE + ["status", "--dir", str(served.folder)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "ready True" in out.stdout, out.stdout + out.stderr
     pgid, shm = served.server_pid, served.state()["shm"]
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, str(TOOL), "stop", "--pid-file", str(served.pid_file),
-                          "--exit-timeout", "20"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(SERVE + ["stop", "--dir", str(served.folder)], capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - t0
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exited cleanly" in out.stdout and "server restart(s)" in out.stdout, out.stdout
     assert seconds < 20, f"stop took {seconds:.1f} s"
-    assert not triton_server.group_pids(pgid) and not triton_server.alive(served.pid)
+    assert not group_pids(pgid) and not alive(served.pid)
     assert not [n for n in shm if Path(f"/dev/shm/{n}").exists()]
-    assert not served.pid_file.exists()
+    assert not (served.folder / "server.pid").exists()
     print(f"\n[triton] stop: {out.stdout.strip()} ({seconds:.1f} s)", file=sys.stderr)
 
 
@@ -314,11 +315,11 @@ def test_a_stub_that_died_under_a_request_is_replaced_and_the_stop_stays_quick(c
     paused meanwhile). Triton 2.51 then never finishes unloading that instance, and on SIGTERM it would wait its
     whole exit timeout; the supervisor reloads the model anyway, notices the stuck instance, and stops quickly."""
     write_repository(checkpoint, tmp_path / "repo", "eaglex", instances=1, threads=1)
-    srv = triton_server.start(tmp_path / "repo", tmp_path / "server.pid", tmp_path, http_port=0, grpc_port=0,
-                              metrics_port=0, exit_timeout=30, timeout=150)
+    srv = control.start(ServeConfig(str(tmp_path / "repo"), str(tmp_path), http_port=0, grpc_port=0, metrics_port=0,
+                                    exit_timeout=30, ready_timeout=150))
     try:
         expected = generate_ok(srv)
-        stub_pid, = triton_server.stubs(srv.server_pid)
+        stub_pid, = stubs(srv.server_pid)
         os.kill(srv.pid, signal.SIGSTOP)
         try:
             os.kill(stub_pid, signal.SIGKILL)
@@ -334,7 +335,7 @@ def test_a_stub_that_died_under_a_request_is_replaced_and_the_stop_stays_quick(c
         st = srv.stop()
         assert time.monotonic() - t0 < 12, st["stopped"]           # not Triton's 30 s exit timeout
         assert not [n for n in shm if Path(f"/dev/shm/{n}").exists()]
-        assert not triton_server.group_pids(st["stopped"]["server_pid"])
+        assert not group_pids(st["stopped"]["server_pid"])
     finally:
-        if triton_server.running(tmp_path / "server.pid") is not None:
+        if control.running(tmp_path) is not None:
             srv.stop()

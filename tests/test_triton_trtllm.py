@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from eaglex.engines import trtllm
-from eaglex.engines.triton_trtllm import (README, llmapi_problems, validate_llmapi_repository,
+from eaglex.serving.trtllm_repository import (README, llmapi_problems, validate_llmapi_repository,
                                           write_llmapi_repository)
 from eaglex.models.errors import ModelError
 

@@ -11,7 +11,7 @@ import pytest
 import eaglex.engines.tune as tune_mod
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.engines.triton.loader import load
+from eaglex.serving.loader import load
 from eaglex.engines.tune import tune_engine
 from eaglex.runtime.autotune import TuneRow
 from eaglex.runtime.batch import Schedule

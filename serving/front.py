@@ -1,4 +1,5 @@
-"""The HTTP front of a supervised tritonserver: a small loopback reverse proxy in front of Triton's HTTP port.
+"""The HTTP front of a supervised tritonserver: a small loopback reverse proxy in front of Triton's HTTP port, and the
+OpenAI API (openai.py) in front of the same models.
 
 Triton cannot be configured to bound what its HTTP front end parses, and tritonserver 2.51 dies (SIGSEGV, nothing
 logged) on one ~200 KB body of deeply nested JSON. Clients therefore talk to this front, and tritonserver's own HTTP
@@ -18,9 +19,13 @@ port is an internal loopback port. For each request the front:
 - relays everything else byte for byte, streaming responses (generate_stream's server-sent events) as they come,
   and closes the upstream connection when the client goes away, so that Triton cancels the request;
 - ends the requests the supervisor cuts (they were inside a backend process that died: Triton 2.51 never answers
-  them) with a 503, or with an error event when their stream had begun, instead of leaving the client waiting.
+  them) with a 503, or with an error event when their stream had begun, instead of leaving the client waiting;
+- serves `/v1/models`, `/v1/chat/completions` and `/v1/completions`: each request is checked (openai.py), sent to
+  the model's generate_stream as one streamed generate request (so a client that hangs up cancels it the same
+  way), and its events become OpenAI's chunks (`stream`) or one answer; errors take OpenAI's shape;
+- with an API key, refuses every request but the health checks without `Authorization: Bearer <key>` (401).
 
-Pure stdlib (asyncio); it runs in the supervisor's event loop (triton_server.py).
+Pure stdlib (asyncio); it runs in the supervisor's event loop (supervisor.py).
 """
 from __future__ import annotations
 
@@ -29,11 +34,16 @@ import hmac
 import json
 import math
 import re
+import secrets
 import sys
 import time
-from urllib.parse import unquote
+import traceback
+from urllib.parse import quote, unquote
 
-ADMIN_HEADER = "triton-admin-key"
+from . import openai
+from .openai import ApiError
+from .tritonserver import ADMIN_HEADER
+
 ADMIN_ROOTS = ("systemsharedmemory", "cudasharedmemory", "repository", "logging", "trace")
 INFER_ENDPOINTS = ("infer", "generate", "generate_stream")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
@@ -42,7 +52,8 @@ INT_RANGES = {f"{s}INT{b}": ((0, 2 ** b - 1) if s else (-2 ** (b - 1), 2 ** (b -
               for s in ("", "U") for b in (8, 16, 32, 64)}
 FLOAT_MAX = {"FP16": 65504.0, "BF16": 3.3895313892515355e38, "FP32": 3.4028234663852886e38,
              "FP64": 1.7976931348623157e308}
-REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout",
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 408: "Request Timeout",
            411: "Length Required", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 501: "Not Implemented", 502: "Bad Gateway", 503: "Service Unavailable",
            505: "HTTP Version Not Supported"}
@@ -191,6 +202,8 @@ def route(path: str) -> tuple[str, str | None, str | None]:
     """(kind, model, endpoint) of a request path; kind: admin, live, ready, model_ready, infer, other.
     The path is percent-decoded and its empty segments dropped first, so that no spelling reaches an admin API."""
     seg = [s for s in unquote(path.split("?", 1)[0]).lower().split("/") if s]
+    if seg[:1] == ["v1"]:
+        return "openai", None, None
     if seg[:1] != ["v2"]:
         return "other", None, None
     rest = seg[1:]
@@ -248,17 +261,19 @@ def error_body(message: str) -> bytes:
 class Front:
     """The proxy. `supervisor` provides: upstream() -> (host, port) | None, health() -> (live, ready, reason),
     model_ready(name) -> (ready: bool | None, reason) (None: not a model it knows), inputs(name) -> {input: type} |
-    None, admin_key (str), admin_open (bool), on_unhealthy(model, message)."""
+    None, models (name -> ...), admin_key (str), admin_open (bool), on_unhealthy(model, message). `api_key`: the
+    bearer key every request but the health checks must carry (None: none)."""
 
     def __init__(self, supervisor, host: str, port: int, max_body: int = 1 << 20, max_depth: int = 64,
-                 max_connections: int = 1024, head_timeout: float = 30.0, idle_timeout: float = 75.0):
-        self.sup, self.host, self.port = supervisor, host, port
+                 max_connections: int = 1024, head_timeout: float = 30.0, idle_timeout: float = 75.0,
+                 api_key: str | None = None):
+        self.sup, self.host, self.port, self.api_key = supervisor, host, port, api_key
         self.max_body, self.max_depth, self.max_connections = max_body, max_depth, max_connections
         self.head_timeout, self.idle_timeout = head_timeout, idle_timeout
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[asyncio.Task] = set()
         self.inflight: dict[str, set[asyncio.Future]] = {}     # model -> the cut futures of its relayed requests
-        self.refused = {"too_large": 0, "too_deep": 0, "invalid": 0, "admin": 0, "unavailable": 0}
+        self.refused = {"too_large": 0, "too_deep": 0, "invalid": 0, "admin": 0, "unavailable": 0, "unauthorized": 0}
 
     async def start(self) -> "Front":
         self.server = await asyncio.start_server(self._client, self.host, self.port, limit=1 << 16,
@@ -312,11 +327,12 @@ class Front:
                     return
                 try:
                     keep = await self._handle(req, reader, writer, pending)
-                except HttpError as e:
-                    keep = req.keep_alive and not e.close
-                    writer.write(response_bytes(e.status, error_body(e.message), e.headers, keep))
+                except (HttpError, ApiError) as e:
+                    close = getattr(e, "close", False)
+                    keep = req.keep_alive and not close
+                    writer.write(response_bytes(e.status, self._error_body(req, e), e.headers, keep))
                     await writer.drain()
-                    if e.close:
+                    if close:
                         return await self._linger(reader, writer)
                 if not keep:
                     return
@@ -332,7 +348,6 @@ class Front:
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - a bug here must cost one connection, not the front
-            import traceback
             print(f"front: error on a connection: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         finally:
             self.connections.discard(task)
@@ -341,6 +356,13 @@ class Front:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the peer is gone either way
                 pass
+
+    @staticmethod
+    def _error_body(req: _Request, e) -> bytes:
+        """OpenAI's error shape on /v1, Triton's ({"error": message}) elsewhere."""
+        if isinstance(e, ApiError):
+            return e.body()
+        return openai.error_body(e.status, e.message) if route(req.target)[0] == "openai" else error_body(e.message)
 
     @staticmethod
     async def _linger(reader, writer, seconds: float = 2.0, limit: int = 64 << 20) -> None:
@@ -468,6 +490,13 @@ class Front:
             await writer.drain()
             return keep
 
+        if self.api_key is not None and kind not in ("live", "ready", "model_ready", "admin"):
+            given = (req.header("authorization") or "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                self.refused["unauthorized"] += 1
+                raise HttpError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
+                                {"WWW-Authenticate": "Bearer"})
+
         if kind == "admin" and not sup.admin_open:
             given = req.header(ADMIN_HEADER)
             if not given or not hmac.compare_digest(given.encode(), sup.admin_key.encode()):
@@ -487,6 +516,8 @@ class Front:
                 self.refused["too_deep"] += 1
                 raise HttpError(400, f"the request JSON nests deeper than {self.max_depth} levels")
 
+        if kind == "openai":
+            return await self._openai(req, body, reader, writer, pending)
         if kind == "infer":
             ready, reason = sup.model_ready(model)
             if ready is False:
@@ -507,17 +538,8 @@ class Front:
     # --- relaying to tritonserver -------------------------------------------------------------------------------
     async def _forward(self, req: _Request, body: bytes, reader, writer, pending: bytearray, model) -> bool:
         keep = req.keep_alive
-        target = self.sup.upstream()
-        if target is None:
-            raise HttpError(503, self.sup.health()[2] or "tritonserver is not running; the supervisor restarts it",
-                            {"Retry-After": "5"})
-        try:
-            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*target, limit=1 << 16), 5.0)
-        except (OSError, TimeoutError, asyncio.TimeoutError):
-            raise HttpError(503, "tritonserver is not accepting connections (restarting?)",
-                            {"Retry-After": "5"}) from None
-        watcher, cut, sent = None, asyncio.get_running_loop().create_future(), None   # sent: how the answer goes out
-        self.inflight.setdefault(model, set()).add(cut)
+        up_reader, up_writer = await self._connect()
+        watcher, cut, sent = None, self._track(model), None   # sent: how the answer goes out
         try:
             head = [f"{req.method} {req.target} HTTP/1.1"]
             head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
@@ -594,19 +616,224 @@ class Front:
             raise HttpError(502, "the connection to tritonserver broke (did it crash? the supervisor restarts it)",
                             {"Retry-After": "5"}, close=True) from None
         finally:
-            cut.cancel()                                     # answered (or failed): nothing left to cut
-            self.inflight[model].discard(cut)
-            if not self.inflight[model]:
-                del self.inflight[model]
-            if watcher is not None:
-                client = watcher.client
-                if client.done() and not client.cancelled() and client.exception() is None:
-                    data = client.result()
-                    if data:
-                        pending += data                      # a pipelined request: keep it
-                else:
-                    client.cancel()
+            self._untrack(model, cut, watcher, pending)
             up_writer.close()
+
+    async def _connect(self):
+        target = self.sup.upstream()
+        if target is None:
+            raise HttpError(503, self.sup.health()[2] or "tritonserver is not running; the supervisor restarts it",
+                            {"Retry-After": "5"})
+        try:
+            return await asyncio.wait_for(asyncio.open_connection(*target, limit=1 << 16), 5.0)
+        except (OSError, TimeoutError, asyncio.TimeoutError):
+            raise HttpError(503, "tritonserver is not accepting connections (restarting?)",
+                            {"Retry-After": "5"}) from None
+
+    def _track(self, model) -> asyncio.Future:
+        """A relayed request of `model`: the future the supervisor may resolve to cut it."""
+        cut = asyncio.get_running_loop().create_future()
+        self.inflight.setdefault(model, set()).add(cut)
+        return cut
+
+    def _untrack(self, model, cut: asyncio.Future, watcher, pending: bytearray) -> None:
+        cut.cancel()                                     # answered (or failed): nothing left to cut
+        self.inflight[model].discard(cut)
+        if not self.inflight[model]:
+            del self.inflight[model]
+        if watcher is not None:
+            client = watcher.client
+            if client.done() and not client.cancelled() and client.exception() is None:
+                data = client.result()
+                if data:
+                    pending += data                      # a pipelined request: keep it
+            else:
+                client.cancel()
+
+    # --- the OpenAI API -------------------------------------------------------------------------------------------
+    async def _openai(self, req: _Request, body: bytes, reader, writer, pending: bytearray) -> bool:
+        seg = [s for s in unquote(req.target.split("?", 1)[0]).split("/") if s]
+        now, keep = int(time.time()), req.keep_alive
+        names = [m for m, info in self.sup.models.items() if "messages" in (info.get("inputs") or {})]
+        if seg[1:] == ["models"] or (len(seg) == 3 and seg[1] == "models"):
+            if req.method not in ("GET", "HEAD"):
+                raise ApiError(405, f"{req.method} is not allowed here: GET /v1/models")
+            if len(seg) == 3 and seg[2] not in names:
+                raise ApiError(404, f"The model `{seg[2]}` does not exist", "model", "model_not_found")
+            data = openai.models_list(names, now) if len(seg) == 2 else openai.model_card(seg[2], now)
+            writer.write(response_bytes(200, json.dumps(data).encode(), None, keep))
+            await writer.drain()
+            return keep
+        if seg[1:] not in (["chat", "completions"], ["completions"]):
+            raise ApiError(404, f"no such endpoint: {req.method} {'/' + '/'.join(seg)} (this server has /v1/models, "
+                                "/v1/chat/completions and /v1/completions)", None, "unknown_url")
+        if req.method != "POST":
+            raise ApiError(405, f"{req.method} is not allowed here: POST {'/' + '/'.join(seg)}")
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            self.refused["invalid"] += 1
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        try:
+            c = openai.parse(parsed, chat=seg[1] == "chat")
+        except ApiError:
+            self.refused["invalid"] += 1
+            raise
+        ready, reason = self.sup.model_ready(c.model)
+        if ready is None or c.model not in names:
+            raise ApiError(404, f"The model `{c.model}` does not exist (served: {', '.join(sorted(names)) or 'none'})",
+                           "model", "model_not_found")
+        if ready is False:
+            self.refused["unavailable"] += 1
+            raise ApiError(503, reason, None, None, {"Retry-After": "5"})
+        return await self._complete(req, c, reader, writer, pending)
+
+    def _upstream_error(self, model: str, status: int, data: bytes) -> ApiError:
+        """A generate_stream refusal (its body, or an error event) as the client's error."""
+        text = data.decode(errors="replace")
+        events = openai.Events().feed(data + b"\n\n") if text.startswith("data:") else []
+        try:
+            message = events[0]["error"] if events else json.loads(text)["error"]
+        except (ValueError, KeyError, TypeError, IndexError):
+            message = text[:500] or f"tritonserver answered {status}"
+        if "Stub process" in message and "is not healthy" in message:
+            self.sup.on_unhealthy(model, message)
+            return ApiError(503, f"model {model} is unavailable: its backend process died; the supervisor is "
+                                 "restarting it, retry shortly", None, None, {"Retry-After": "5"})
+        if "Exceeds maximum queue size" in message:
+            self.refused["unavailable"] += 1
+            return ApiError(503, message[message.find("Exceeds"):], None, None, {"Retry-After": "1"})
+        if status == 400:
+            self.refused["invalid"] += 1
+            return ApiError(400, message)
+        return ApiError(status if status >= 500 else 500, message)
+
+    async def _complete(self, req: _Request, c, reader, writer, pending: bytearray) -> bool:
+        """Relay one completion to generate_stream; answer as one JSON object or as OpenAI's event stream."""
+        keep = req.keep_alive
+        chunked = req.version != "HTTP/1.0"
+        up_reader, up_writer = await self._connect()
+        watcher, cut, started = None, self._track(c.model), False
+        rid, created = f"{'chatcmpl' if c.chat else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
+
+        async def send(obj) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                head = ["HTTP/1.1 200 OK", "Content-Type: text/event-stream", "Cache-Control: no-cache",
+                        "Transfer-Encoding: chunked" if chunked else "Connection: close"]
+                if chunked:
+                    head.append("Connection: keep-alive" if keep else "Connection: close")
+                writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+                if c.chat:
+                    await send(openai.chunk(c, rid, created, "", role=True))
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            await writer.drain()
+
+        try:
+            data = json.dumps(openai.triton_request(c)).encode()
+            up_writer.write((f"POST /v2/models/{quote(c.model)}/generate_stream HTTP/1.1\r\nHost: {self.host}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                             "Connection: close\r\n\r\n").encode("latin-1") + data)
+            await up_writer.drain()
+            watcher = _Watch(asyncio.ensure_future(reader.read(65536)), cut)
+            parts = (await self._race(up_reader.readline(), watcher)).decode("latin-1").split(None, 2)
+            if len(parts) < 2 or not parts[1].isdigit():
+                raise HttpError(502, "tritonserver closed the connection without a response "
+                                     "(did it crash? the supervisor restarts it)", {"Retry-After": "5"})
+            status, hmap = int(parts[1]), {}
+            while (line := await self._race(up_reader.readline(), watcher)) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                hmap[name.strip().lower()] = value.strip()
+            length = hmap.get("content-length")
+            length = int(length) if length and length.isdigit() else None
+            if status != 200:
+                raise self._upstream_error(c.model, status, await self._read_small(up_reader, length, watcher))
+            events, text, tokens, final = openai.Events(), [], 0, None
+            async for data in self._upstream_body(up_reader, length, "chunked" in hmap.get("transfer-encoding", ""),
+                                                  watcher):
+                for ev in events.feed(data):
+                    if "error" in ev:
+                        raise self._upstream_error(c.model, 500, json.dumps(ev).encode())
+                    delta = ev.get("text_output") or ""
+                    ids = ev.get("output_ids")
+                    tokens += 0 if ids is None else 1 if isinstance(ids, int) else len(ids)
+                    if "finish_reason" in ev:
+                        final = ev
+                    if c.stream and delta:
+                        await send(openai.chunk(c, rid, created, delta))
+                    text.append(delta)
+            if final is None:
+                raise HttpError(502, "tritonserver ended the stream without its final response")
+            finish, usage = openai.finish_reason(final["finish_reason"]), openai.usage(final["prompt_tokens"], tokens)
+            if not c.stream:
+                body = json.dumps(openai.response(c, rid, created, "".join(text), finish, usage)).encode()
+                writer.write(response_bytes(200, body, None, keep))
+                await writer.drain()
+                return keep
+            await send(openai.chunk(c, rid, created, None, finish))
+            if c.include_usage:
+                await send(openai.usage_chunk(c, rid, created, usage))
+            await send(b"[DONE]")
+            if chunked:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+            return keep and chunked
+        except _Cut as e:
+            if not started:
+                raise ApiError(503, str(e), None, None, {"Retry-After": "5"}) from None
+            await self._stream_error(writer, send, 503, str(e), chunked)
+            return False
+        except (ApiError, HttpError) as e:
+            if not started:
+                raise
+            await self._stream_error(writer, send, e.status, e.message, chunked)
+            return False
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            if isinstance(e, ConnectionResetError) and str(e) == "client gone":
+                raise
+            message = "the connection to tritonserver broke (did it crash? the supervisor restarts it)"
+            if not started:
+                raise ApiError(502, message, None, None, {"Retry-After": "5"}) from None
+            await self._stream_error(writer, send, 502, message, chunked)
+            return False
+        finally:
+            self._untrack(c.model, cut, watcher, pending)
+            up_writer.close()
+
+    @staticmethod
+    async def _stream_error(writer, send, status: int, message: str, chunked: bool) -> None:
+        """End an event stream under way with an error event (what OpenAI's clients raise as an APIError)."""
+        try:
+            await send(openai.error_body(status, message))
+            if chunked:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except ConnectionError:
+            pass
+
+    async def _upstream_body(self, up_reader, length: int | None, chunked: bool, watcher):
+        """The bytes of a response body as they come (chunked, Content-Length or until the connection ends)."""
+        if chunked:
+            while True:
+                size_line = await self._race(up_reader.readline(), watcher)
+                if not size_line:
+                    raise asyncio.IncompleteReadError(b"", None)
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    return
+                yield (await self._race(up_reader.readexactly(size + 2), watcher))[:-2]
+        left = length
+        while left is None or left > 0:
+            data = await self._race(up_reader.read(65536 if left is None else min(65536, left)), watcher)
+            if not data:
+                if left is None:
+                    return
+                raise asyncio.IncompleteReadError(b"", left)
+            yield data
+            if left is not None:
+                left -= len(data)
 
     @staticmethod
     def _write_head(writer, status, headers, keep, length, chunked=False) -> None:

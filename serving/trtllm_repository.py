@@ -26,8 +26,8 @@ from pathlib import Path
 from eaglex.fsio import check_out, staged
 from eaglex.models.errors import ModelError
 
-from . import trtllm
-from . import trtllm_upstream as upstream
+from eaglex.engines import trtllm
+from eaglex.engines import trtllm_upstream as upstream
 
 DEFAULT_NAME = "tensorrt_llm"
 CONTAINER_TEMPLATE = Path("/app/all_models/llmapi/tensorrt_llm")

@@ -8,11 +8,13 @@ log-prob outputs) is refused with a clear message instead of being ignored.
 
 Triton's own front end checks tensor names, shapes and data types before the model sees a request; what arrives here
 is already typed. (Triton's JSON conversion wraps integers around to the input's type: the HTTP front of the
-supervised server, tools/triton_front.py, refuses out-of-range JSON values before that.) Keys of a generate-extension
+supervised server, front.py, refuses out-of-range JSON values before that.) Keys of a generate-extension
 body that match no input arrive as request *parameters*; those are refused as unknown, apart from Triton's reserved
 `triton_*` keys, TensorRT-LLM's harmless flags and eaglex's own `chat_template` (true: text_input is the user's
 message, wrapped with the tokenizer's chat template; it overrides the model parameter of the same name, whose
-default, false, keeps TensorRT-LLM's meaning of text_input: raw text).
+default, false, keeps TensorRT-LLM's meaning of text_input: raw text). `messages` (eaglex's own input, what the
+OpenAI front sends for /v1/chat/completions) is a conversation as JSON, `[{"role": ..., "content": ...}, ...]`, put
+through the tokenizer's chat template with the assistant's generation prompt.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eaglex.models.errors import ModelError
-from eaglex.prompts import encode
+from eaglex.prompts import chat_ids, encode
 from eaglex.runtime.types import SamplingConfig
 
 # request parameters TensorRT-LLM clients send that need no action: stats are always returned, and the flags asking
@@ -148,9 +150,11 @@ def check_parameters(raw: str | dict | None) -> dict:
     return own
 
 
-def tokenize(tokenizer, text: str, chat: bool) -> list[int]:
+def tokenize(tokenizer, text: str | list[dict], chat: bool) -> list[int]:
     """text -> ids; `chat`: as the user's message, wrapped with the tokenizer's chat template and its generation
-    prompt (eaglex.prompts.encode, as `eaglex generate --chat` does)."""
+    prompt (eaglex.prompts.encode, as `eaglex generate --chat` does). A list of messages is a whole conversation."""
+    if isinstance(text, list):
+        return chat_ids(tokenizer, text)
     return [int(i) for i in encode({"prompt": text}, tokenizer, chat, "text_input")]
 
 
@@ -192,11 +196,15 @@ def parse(arrays: dict[str, np.ndarray], parameters, limits: Limits, tokenize) -
 
 def _prompt(arrays: dict, limits: Limits, tokenize, chat: bool | None) -> list[int]:
     """The prompt's ids; `chat`: the request's chat_template parameter (None: the model's default)."""
-    text, ids = arrays.get("text_input"), arrays.get("input_ids")
-    if text is not None and ids is not None:
-        raise RequestError("give either text_input or input_ids, not both")
-    if text is None and ids is None:
-        raise RequestError("the request has no prompt: give text_input (or input_ids)")
+    text, ids, messages = arrays.get("text_input"), arrays.get("input_ids"), arrays.get("messages")
+    if sum(a is not None for a in (text, ids, messages)) > 1:
+        raise RequestError("give one of text_input, input_ids or messages, not several")
+    if text is None and ids is None and messages is None:
+        raise RequestError("the request has no prompt: give text_input (or input_ids, or messages)")
+    if messages is not None:
+        if chat is False:
+            raise RequestError("messages always go through the chat template: chat_template false contradicts them")
+        return _check_length(_conversation(messages, limits, tokenize), limits)
     if ids is not None:
         if chat:
             raise RequestError("chat_template applies to text_input: input_ids are used as they are")
@@ -224,9 +232,48 @@ def _prompt(arrays: dict, limits: Limits, tokenize, chat: bool | None) -> list[i
     out = tokenize(prompt, chat)
     if not out:
         raise RequestError("the prompt is empty: text_input tokenizes to no tokens")
-    if len(out) >= limits.max_context:
-        raise RequestError(f"the prompt has {len(out)} tokens; the model's context holds {limits.max_context}: "
+    return _check_length(out, limits)
+
+
+def _check_length(ids: list[int], limits: Limits) -> list[int]:
+    if len(ids) >= limits.max_context:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the model's context holds {limits.max_context}: "
                            "shorten it")
+    return ids
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _conversation(array, limits: Limits, tokenize) -> list[int]:
+    """The `messages` input: a JSON list of {"role", "content"} with string contents, through the chat template."""
+    value = _one(array, "messages")
+    raw = bytes(value) if isinstance(value, (bytes, np.bytes_)) else _text(value, "messages").encode()
+    if len(raw) > limits.max_input_bytes:
+        raise RequestError(f"messages is {len(raw)} bytes; this model accepts at most {limits.max_input_bytes}")
+    try:
+        messages = json.loads(_text(value, "messages"))
+    except ValueError as e:
+        raise RequestError(f"messages is not valid JSON: {e}") from None
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ROLES \
+                or not isinstance(m["content"], str):
+            raise RequestError(f"messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a "
+                               f"string}}, got {json.dumps(m)[:80]}")
+    if not limits.has_tokenizer:
+        raise RequestError("this engine has no tokenizer: send input_ids instead of messages")
+    if not limits.has_chat_template:
+        raise RequestError("this engine's tokenizer has no chat template: send text_input (raw text) instead")
+    try:
+        out = tokenize(messages, True)
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template that refuses a conversation (roles out of order, ...)
+        raise RequestError(f"the chat template refused these messages: {e}") from None
+    if not out:
+        raise RequestError("the prompt is empty: messages tokenize to no tokens")
     return out
 
 

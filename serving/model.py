@@ -2,7 +2,7 @@
 
 The generated repository's `1/model.py` only re-exports this class, so the code lives (and is versioned) with
 eaglex; the stub process imports it from the environment Triton runs the stub in (the venv: see
-tools/triton_server.py).
+tritonserver.py).
 
 Design:
 - Decoupled transaction policy. With `stream` true a request gets one response per verification cycle (the tokens
@@ -215,7 +215,7 @@ class TritonPythonModel:
             raise _Abort()
         stats = {"tau": result.tau, "cycles": result.cycles,
                  "accepted": sum(result.accept_lengths) - len(result.accept_lengths),
-                 "reason": ended[0] if ended else result.stop_reason}
+                 "reason": ended[0] if ended else result.stop_reason, "prompt_tokens": len(req.input_ids)}
         rest = text.finish()
         out = self._outputs(rest if req.stream else text.text, None if req.stream else text.ids, stats)
         self._send(sender, out, final=True)
@@ -240,7 +240,8 @@ class TritonPythonModel:
             out += [pb_utils.Tensor("tau", np.array([[stats["tau"]]], dtype=np.float32)),
                     pb_utils.Tensor("cycles", np.array([[stats["cycles"]]], dtype=np.int32)),
                     pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats["accepted"]]], dtype=np.int32)),
-                    pb_utils.Tensor("finish_reason", np.array([[stats["reason"].encode()]], dtype=np.object_))]
+                    pb_utils.Tensor("finish_reason", np.array([[stats["reason"].encode()]], dtype=np.object_)),
+                    pb_utils.Tensor("prompt_tokens", np.array([[stats["prompt_tokens"]]], dtype=np.int32))]
         return out
 
     @staticmethod
