@@ -198,7 +198,7 @@ def _prompt(arrays: dict, limits: Limits, tokenize, chat: bool | None) -> list[i
     """The prompt's ids; `chat`: the request's chat_template parameter (None: the model's default)."""
     text, ids, messages = arrays.get("text_input"), arrays.get("input_ids"), arrays.get("messages")
     if sum(a is not None for a in (text, ids, messages)) > 1:
-        raise RequestError("give one of text_input, input_ids or messages, not several")
+        raise RequestError("give one prompt, text_input, input_ids or messages, not both")
     if text is None and ids is None and messages is None:
         raise RequestError("the request has no prompt: give text_input (or input_ids, or messages)")
     if messages is not None:
@@ -247,7 +247,7 @@ ROLES = ("system", "developer", "user", "assistant")
 
 def _conversation(array, limits: Limits, tokenize) -> list[int]:
     """The `messages` input: a JSON list of {"role", "content"} with string contents, through the chat template."""
-    value = _one(array, "messages")
+    value = _one({"messages": array}, "messages")
     raw = bytes(value) if isinstance(value, (bytes, np.bytes_)) else _text(value, "messages").encode()
     if len(raw) > limits.max_input_bytes:
         raise RequestError(f"messages is {len(raw)} bytes; this model accepts at most {limits.max_input_bytes}")
