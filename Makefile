@@ -124,44 +124,52 @@ smollm2: $(STAMP)  ## retrain models/smollm2-135m: EAGLE-3 + EAGLE-1/2 heads sel
 tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded
 	$(BIN)/python tools/train_tiny.py --out models/tiny --work build/tiny
 
-# --- Triton Inference Server (docs/triton.md): loopback only; the pid file says which server `serve` started ---
+# --- Serving (docs/triton.md): `eaglex serve` on 127.0.0.1, the OpenAI API and Triton's; TRITON_DIR holds the deployment ---
 ENGINE        ?= engines/$(MODEL)
 TRITON_DIR    ?= build/triton
 TRITON_MODEL  ?= eaglex
 TRITON_INSTANCES ?= 1
-TRITON_MAX_BATCH ?=
+TRITON_MAX_BATCH ?= $(if $(filter-out 1,$(TRITON_INSTANCES)),0,16)
 TRITON_HTTP_PORT    ?= 8000
 TRITON_GRPC_PORT    ?= 8001
 TRITON_METRICS_PORT ?= 8002
 TRITON_OPEN_ADMIN   ?=
+TRITON_API_KEY      ?=
 # the default chat model's engine is served with its chat template applied to text_input (TRITON_CHAT= turns it off)
 TRITON_CHAT ?= $(if $(filter engines/smollm2-135m,$(ENGINE)),1)
-TRITON_SERVER = $(BIN)/python tools/triton_server.py
 
 .PHONY: serve serve-stop serve-status serve-check-engine
 serve-check-engine:
 	@test -d "$(ENGINE)" || { echo "make serve: engine folder $(ENGINE) does not exist: build it with 'make engine'," \
 		"or pass ENGINE=DIR (an engine folder, or a folder with target/ and draft/)" >&2; exit 1; }
 
-serve: serve-check-engine $(STAMP)  ## start the supervised tritonserver on 127.0.0.1 serving $(ENGINE); returns once ready
-	@$(TRITON_SERVER) check --pid-file $(TRITON_DIR)/server.pid
-	$(BIN)/eaglex triton --engine $(ENGINE) --out $(TRITON_DIR)/model_repository --name $(TRITON_MODEL) \
-		--instances $(TRITON_INSTANCES) $(if $(TRITON_MAX_BATCH),--max-batch $(TRITON_MAX_BATCH)) $(if $(TRITON_CHAT),--chat) --force
-	$(TRITON_SERVER) start --repo $(TRITON_DIR)/model_repository \
-		--pid-file $(TRITON_DIR)/server.pid --log $(TRITON_DIR)/server.log --http-port $(TRITON_HTTP_PORT) \
-		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT) $(if $(TRITON_OPEN_ADMIN),--open-admin-api)
+serve: serve-check-engine $(STAMP)  ## serve $(ENGINE) on 127.0.0.1 (OpenAI API at /v1, Triton's at /v2); returns once ready
+	$(BIN)/eaglex serve start --engine $(ENGINE) --dir $(TRITON_DIR) --name $(TRITON_MODEL) \
+		--instances $(TRITON_INSTANCES) --max-batch $(TRITON_MAX_BATCH) $(if $(TRITON_CHAT),--chat) \
+		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT) \
+		$(if $(TRITON_OPEN_ADMIN),--open-admin-api) $(if $(TRITON_API_KEY),--api-key $(TRITON_API_KEY))
 
 serve-stop:      ## stop the server that `make serve` started (and say what happened while it ran)
-	@$(TRITON_SERVER) stop --pid-file $(TRITON_DIR)/server.pid
+	@$(BIN)/eaglex serve stop --dir $(TRITON_DIR)
 
 serve-status:    ## is the server that `make serve` started ready? (restarts, reloads, ports)
-	@$(TRITON_SERVER) status --pid-file $(TRITON_DIR)/server.pid
+	@$(BIN)/eaglex serve status --dir $(TRITON_DIR)
 
 # Load benchmark of the deployment (tools/bench_serve.py): vanilla batched, EAGLE batched and one request at a time,
 # closed-loop clients on loopback at each concurrency, a fixed request count per row; its own servers on free ports.
+# Each row is measured by our client (Triton's generate API) and by NVIDIA's AIPerf (the OpenAI API), installed
+# once in $(AIPERF_VENV): its dependencies clash with ours. BENCH_SERVE_AIPERF= leaves AIPerf out.
 BENCH_SERVE_CONCURRENCY ?= 1,2,4,8,16,32
 BENCH_SERVE_ARGS ?=
+BENCH_SERVE_AIPERF ?= 1
+AIPERF_VENV ?= build/aiperf-venv
+AIPERF      ?= aiperf==0.13.0
 .PHONY: bench-serve
-bench-serve: serve-check-engine $(STAMP)  ## load benchmark of the Triton deployment: build/bench_serve.json + .png
+$(AIPERF_VENV)/bin/aiperf:
+	$(PY) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q $(AIPERF)
+
+bench-serve: serve-check-engine $(STAMP) $(if $(BENCH_SERVE_AIPERF),$(AIPERF_VENV)/bin/aiperf)  ## load benchmark of the deployment, our client and AIPerf: build/bench_serve.json + .png
 	$(BIN)/python tools/bench_serve.py --engine $(ENGINE) --concurrency $(BENCH_SERVE_CONCURRENCY) \
+		$(if $(BENCH_SERVE_AIPERF),--aiperf $(AIPERF_VENV)/bin/aiperf) \
 		--out build/bench_serve.json --plot build/bench_serve.png $(BENCH_SERVE_ARGS)

@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics (0: a free one)")
         p.add_argument("--max-batch", type=int, default=16,
                        help="requests decoded together by in-flight batching (default 16; 0: one at a time)")
+        p.add_argument("--instances", type=int, default=1,
+                       help="model instances, each one request at a time (with --max-batch 0; default 1)")
         p.add_argument("--max-queue-size", type=int, default=64,
                        help="requests that may wait for a batch slot; more are refused with 503 (default 64)")
         p.add_argument("--max-context", type=int, default=0,
@@ -573,7 +575,7 @@ def cmd_serve(args) -> int:
     repo = args.repo
     if args.engine is not None:
         repo = args.dir / "model_repository"
-        write_repository(args.engine, repo, args.name, 1, args.max_queue_size,
+        write_repository(args.engine, repo, args.name, args.instances, args.max_queue_size,
                          args.threads, "vanilla" if args.vanilla else "default", force=True,
                          max_batch=args.max_batch, chat_template=args.chat, max_context=args.max_context)
     elif not args.repo.is_dir():

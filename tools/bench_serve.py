@@ -1,5 +1,5 @@
-"""Load benchmark of the Triton deployment (`make bench-serve`): a loopback client against the supervised server
-(tools/triton_server.py, what `make serve` starts), closed-loop at fixed concurrencies with a fixed number of
+"""Load benchmark of the deployment (`make bench-serve`): a loopback client against the supervised server
+(eaglex.serving, what `eaglex serve start` runs), closed-loop at fixed concurrencies with a fixed number of
 requests per row, for each deployment (all started at once; at each concurrency the deployments take turns, each
 `--repeats` times, so that drift on a busy machine hits them alike, and each row reports its median run):
 
@@ -21,6 +21,15 @@ the speculation the server runs at that concurrency, errors, bad requests refuse
 table with the speedup of eagle over vanilla batching at each concurrency. Exit 1 when an output differs, a normal
 request fails or a bad one is not refused.
 
+With --aiperf PATH (NVIDIA's AIPerf, `make bench-serve` installs it in a venv of its own), each row is also measured
+by AIPerf against the OpenAI API (/v1/chat/completions, streaming, greedy through `--extra-inputs temperature:0`,
+synthetic prompts of --aiperf-input-tokens, --max-tokens per answer), right after our client's runs of that row and
+taking the same turns between deployments: its TTFT p99, inter-token latency (mean, p99), output tokens/s and
+requests/s go into the row next to ours (columns aiperf_*). The two clients differ in what they count: ours counts
+the token ids the model streams through Triton's generate API, AIPerf re-tokenizes the text of the OpenAI chunks
+with the model's tokenizer (which can differ by a token where a character spans two) and its requests carry the
+chat template and the OpenAI front's conversion.
+
     python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
         [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
         [--plot build/bench_serve.png]
@@ -31,9 +40,10 @@ import argparse
 import http.client
 import itertools
 import json
-import statistics
-import sys
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -41,14 +51,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import triton_server  # noqa: E402
-
-from eaglex.engines.triton.repository import write_repository  # noqa: E402
-from eaglex.engines.tune import tune_batching  # noqa: E402
-from eaglex.runtime.batch import Schedule  # noqa: E402
-from eaglex.runtime.engine import open_engine  # noqa: E402
-from eaglex.runtime.manifest import MANIFEST, read_manifest  # noqa: E402
+from eaglex.engines.tune import tune_batching
+from eaglex.runtime.batch import Schedule
+from eaglex.runtime.engine import open_engine
+from eaglex.runtime.manifest import MANIFEST, read_manifest
+from eaglex.serving import control
+from eaglex.serving.config import ServeConfig
+from eaglex.serving.repository import write_repository
 
 TEXTS = ["The quick brown fox", "Once upon a time there was a", "In the beginning", "Write a story about a cat",
          "Explain gravity to a child:", "The best way to learn is", "Speculative decoding works by",
@@ -191,8 +200,51 @@ def serve_mode(args, mode: str, work: Path):
                      method="vanilla" if mode == "vanilla" else "default",
                      max_batch=0 if mode == "single" else args.max_batch, max_context=args.max_context,
                      force=True)
-    return triton_server.start(repo, work / mode / "server.pid", work / mode, http_port=0, grpc_port=0,
-                               metrics_port=0, exit_timeout=20, timeout=300)
+    return control.start(ServeConfig(str(repo), str(work / mode), http_port=0, grpc_port=0, metrics_port=0,
+                                     exit_timeout=20, ready_timeout=300))
+
+
+AIPERF_METRICS = {"time_to_first_token": ("ttft", ("p99", "avg")), "inter_token_latency": ("itl", ("avg", "p99")),
+                  "output_token_throughput": ("output_tokens_per_s", ("avg",)),
+                  "request_throughput": ("requests_per_s", ("avg",)),
+                  "request_latency": ("latency", ("p99",))}
+
+
+def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int, args, out: Path) -> dict:
+    """One AIPerf run against /v1/chat/completions -> {aiperf_ttft_p99_ms, aiperf_itl_avg_ms, ...} (or
+    aiperf_error)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [aiperf, "profile", "-m", "eaglex", "--tokenizer", str(tokenizer), "--endpoint-type", "chat",
+           "--streaming", "--url", f"127.0.0.1:{port}", "--concurrency", str(concurrency), "--request-count", str(n),
+           "--random-seed", "123", "--synthetic-input-tokens-mean", str(args.aiperf_input_tokens),
+           "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.max_tokens),
+           "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0", "--artifact-dir", str(out),
+           "--warmup-request-count", "0", "--ui-type", "none"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    found = sorted(out.rglob("*aiperf*.json"), key=lambda p: p.stat().st_mtime)
+    data = None
+    for f in reversed(found):
+        try:
+            data = json.loads(f.read_text())
+            break
+        except ValueError:
+            continue
+    if r.returncode != 0 or data is None:
+        return {"aiperf_error": (r.stderr or r.stdout)[-800:] or f"exit {r.returncode}"}
+    metrics = data.get("records", data) if isinstance(data, dict) else {}
+    row = {}
+    for key, (name, stats) in AIPERF_METRICS.items():
+        m = metrics.get(key) or {}
+        unit = m.get("unit", "")
+        for stat in stats:
+            v = m.get(stat)
+            if v is None:
+                continue
+            suffix = "_ms" if unit == "ms" else "_s" if unit in ("s", "sec") else ""
+            row[f"aiperf_{name}_{stat}{suffix}" if name in ("ttft", "itl", "latency") else f"aiperf_{name}"] = \
+                round(float(v), 2)
+    row["aiperf_requests"] = n
+    return row
 
 
 def main(argv=None) -> int:
@@ -218,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", default="auto",
                     help="batch schedule to serve (e.g. 1:chain:4,4:chain:2,8:vanilla); auto: the engine's stored "
                          "one, else one measured here as `eaglex engine` does (on a copy of the engine)")
+    ap.add_argument("--aiperf", help="AIPerf's executable: also measure each row with AIPerf on the OpenAI API")
+    ap.add_argument("--aiperf-input-tokens", type=int, default=64, help="AIPerf's synthetic prompt length")
+    ap.add_argument("--aiperf-requests", default="2x", help="AIPerf's requests per row (like --requests)")
     ap.add_argument("--out", type=Path, default=Path("build/bench_serve.json"))
     ap.add_argument("--plot", default="build/bench_serve.png", help="PNG to write ('' for none)")
     args = ap.parse_args(argv)
@@ -228,8 +283,8 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
 
-    def count(c: int) -> int:
-        r = args.requests
+    def count(c: int, r: str | None = None) -> int:
+        r = r or args.requests
         return max(args.min_requests, int(r[:-1]) * c if r.endswith("x") else int(r))
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
@@ -238,7 +293,11 @@ def main(argv=None) -> int:
     if engine.tokenizer is None:
         raise SystemExit(f"{args.engine} has no tokenizer")
     prompts = [list(engine.tokenizer(t)["input_ids"]) for t in TEXTS]
-    args.max_context = args.max_context or max(len(p) for p in prompts) + args.max_tokens
+    # AIPerf's prompts go through the chat template: room for its tokens beyond the synthetic prompt
+    longest = max(max(len(p) for p in prompts), 2 * args.aiperf_input_tokens + 64 if args.aiperf else 0)
+    args.max_context = args.max_context or longest + args.max_tokens
+    tokenizer_dir = Path(tmp.name) / "tokenizer"
+    engine.tokenizer.save_pretrained(str(tokenizer_dir))          # AIPerf needs a local tokenizer folder
     stored = (engine.manifest or {}).get("batch_schedule")
     schedule_from = "engine"
     if engine.layout == "engine" and engine.method != "vanilla" and (args.schedule != "auto" or not stored):
@@ -280,9 +339,21 @@ def main(argv=None) -> int:
                               f"ttft p99 {row['ttft_p99_ms']} ms  tpot p99 {row['tpot_p99_ms']} ms  "
                               f"exact {row['exact']}  errors {row['errors']}  bad refused "
                               f"{row['bad_refused']}/{row['bad_requests']}  hang-ups {row['hangups']}", flush=True)
+                extra = {mode: {} for mode in servers}
+                if args.aiperf:             # AIPerf on the OpenAI API: the same turns
+                    for mode, srv in servers.items():
+                        extra[mode] = aiperf_row(args.aiperf, tokenizer_dir, srv.http_port, c,
+                                                 count(c, args.aiperf_requests), args,
+                                                 Path(tmp.name) / "aiperf" / f"{mode}-c{c}")
+                        a = extra[mode]
+                        print(f"[{mode}] c={c:3d} aiperf  {a.get('aiperf_output_tokens_per_s')} tok/s  ttft p99 "
+                              f"{a.get('aiperf_ttft_p99_ms')} ms  itl {a.get('aiperf_itl_avg_ms')} ms  "
+                              f"{a.get('aiperf_requests_per_s')} req/s{'  ERROR ' + a['aiperf_error'] if 'aiperf_error' in a else ''}",
+                              flush=True)
                 for mode, rs in runs.items():
                     rows.append(median_row(rs) | {"mode": mode,
-                                                  "speculation": speculation(engine, mode, c, args.max_batch)})
+                                                  "speculation": speculation(engine, mode, c, args.max_batch)}
+                                | extra[mode])
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -293,7 +364,8 @@ def main(argv=None) -> int:
               "method": engine.method, "tree": str(engine.tree), "batch_schedule": str(engine.batch_schedule()),
               "batch_schedule_from": schedule_from,
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "threads": args.threads,
-              "repeats": args.repeats, "mix": args.mix,
+              "repeats": args.repeats, "mix": args.mix, "aiperf": bool(args.aiperf),
+              "aiperf_input_tokens": args.aiperf_input_tokens if args.aiperf else None,
               "rows": rows, "summary": table}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -305,7 +377,8 @@ def main(argv=None) -> int:
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
-    bad = [r for r in rows if r["errors"] or r["exact"] != 1.0 or r["bad_refused"] != r["bad_requests"]]
+    bad = [r for r in rows if r["errors"] or r["exact"] != 1.0 or r["bad_refused"] != r["bad_requests"]
+           or "aiperf_error" in r]
     return 1 if bad else 0
 
 
@@ -349,6 +422,13 @@ def markdown(rows: list[dict], table: list[dict]) -> str:
                      f"{r['per_request_tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} | {r['mean_accepted']} | {r['speculation']} | "
                      f"{r['exact']} | {r.get('bad_refused', 0)}/{r.get('bad_requests', 0)} | {r.get('hangups', 0)} |")
+    if any("aiperf_output_tokens_per_s" in r or "aiperf_error" in r for r in rows):
+        lines += ["", "| mode | conc. | AIPerf output tok/s | ours tok/s | AIPerf req/s | AIPerf TTFT p99 ms | "
+                  "AIPerf ITL mean / p99 ms |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['mode']} | {r['concurrency']} | {r.get('aiperf_output_tokens_per_s', 'error')} | "
+                         f"{r['tokens_per_s']} | {r.get('aiperf_requests_per_s')} | {r.get('aiperf_ttft_p99_ms')} | "
+                         f"{r.get('aiperf_itl_avg_ms')} / {r.get('aiperf_itl_p99_ms')} |")
     lines += ["", "| conc. | vanilla batched tok/s | EAGLE batched tok/s | speedup | one-at-a-time tok/s | "
               "EAGLE batched / one-at-a-time |", "|---|---|---|---|---|---|"]
     for t in table:
