@@ -25,10 +25,12 @@ With --aiperf PATH (NVIDIA's AIPerf, `make bench-serve` installs it in a venv of
 by AIPerf against the OpenAI API (/v1/chat/completions, streaming, greedy through `--extra-inputs temperature:0`,
 synthetic prompts of --aiperf-input-tokens, --max-tokens per answer), right after our client's runs of that row and
 taking the same turns between deployments: its TTFT p99, inter-token latency (mean, p99), output tokens/s and
-requests/s go into the row next to ours (columns aiperf_*). The two clients differ in what they count: ours counts
-the token ids the model streams through Triton's generate API, AIPerf re-tokenizes the text of the OpenAI chunks
-with the model's tokenizer (which can differ by a token where a character spans two) and its requests carry the
-chat template and the OpenAI front's conversion.
+requests/s go into the row next to ours (columns aiperf_*). Both count the tokens the server generated (AIPerf with
+--use-server-token-count: the answer's `usage`, since re-tokenizing text cannot see the chat template the server
+applies). They still differ in what they send and time: AIPerf's prompts are its own synthetic text through the
+chat template (longer than ours, which are token ids without a template), its requests go through the OpenAI front's
+conversion, its throughput divides by its whole benchmark window, and it runs one pass per row (ours: the median of
+--repeats).
 
     python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
         [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
@@ -218,17 +220,13 @@ def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int
            "--streaming", "--url", f"127.0.0.1:{port}", "--concurrency", str(concurrency), "--request-count", str(n),
            "--random-seed", "123", "--synthetic-input-tokens-mean", str(args.aiperf_input_tokens),
            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.max_tokens),
-           "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0", "--artifact-dir", str(out),
-           "--warmup-request-count", "0", "--ui-type", "none"]
+           "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0", "--use-server-token-count", "--artifact-dir", str(out),
+           "--warmup-request-count", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    found = sorted(out.rglob("*aiperf*.json"), key=lambda p: p.stat().st_mtime)
-    data = None
-    for f in reversed(found):
-        try:
-            data = json.loads(f.read_text())
-            break
-        except ValueError:
-            continue
+    try:
+        data = json.loads((out / "profile_export_aiperf.json").read_text())
+    except (OSError, ValueError):
+        data = None
     if r.returncode != 0 or data is None:
         return {"aiperf_error": (r.stderr or r.stdout)[-800:] or f"exit {r.returncode}"}
     metrics = data.get("records", data) if isinstance(data, dict) else {}
