@@ -452,6 +452,11 @@ def plot(rows: list[dict], path: Path) -> None:
                    marker="o", color=color, label=mode, capsize=3)
         b.plot(c, [r["tpot_p99_ms"] for r in rs], marker="o", color=color, label=f"{mode} TPOT p99")
         b.plot(c, [r["ttft_p99_ms"] for r in rs], marker="x", color=color, linestyle="--", label=f"{mode} TTFT p99")
+        if any("aiperf_output_tokens_per_s" in r for r in rs):            # AIPerf on the OpenAI API: dotted
+            a.plot(c, [r.get("aiperf_output_tokens_per_s") for r in rs], marker=".", color=color, linestyle=":",
+                   label=f"{mode} (AIPerf)")
+            b.plot(c, [r.get("aiperf_ttft_p99_ms") for r in rs], marker=".", color=color, linestyle=":",
+                   label=f"{mode} AIPerf TTFT p99")
     for ax, title in ((a, "aggregate tokens/s (median, range of repeats)"), (b, "p99 latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
