@@ -20,7 +20,6 @@ import numpy as np
 
 from eaglex.models.eagle import _read_state, config_taps, detect_kind
 from eaglex.models.errors import ModelError
-from eaglex.models.gguf import inspect_gguf
 
 ARCH = "eagle3"
 DTYPES = ("F32", "F16")
@@ -49,19 +48,26 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _target_info(target_gguf: Path) -> tuple[dict, list]:
-    """The target's shape ({layers, hidden, vocab}) and its tokenizer fields, from its GGUF file."""
+    """The target's shape ({layers, hidden, vocab}) and its tokenizer fields, from its GGUF file (any architecture
+    llama.cpp runs: the keys read are `ARCH.block_count` and `ARCH.embedding_length`)."""
     from gguf import GGUFReader
-    info = inspect_gguf(target_gguf)                  # one clear line for a missing, foreign or non-llama file
-    fields = GGUFReader(target_gguf).fields
-    arch = info.get("architecture", "llama")
+    if not target_gguf.is_file():
+        raise ModelError(f"{target_gguf}: no such GGUF file")
+    try:
+        fields = GGUFReader(target_gguf).fields
+    except Exception as e:  # noqa: BLE001 - the reader raises whatever numpy/struct raise on a foreign file
+        raise ModelError(f"{target_gguf}: not a readable GGUF file ({type(e).__name__})") from None
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
 
     def get(key):
         f = fields.get(f"{arch}.{key}")
         if f is None:
-            raise ModelError(f"{target_gguf}: no {arch}.{key} in its metadata")
+            raise ModelError(f"{target_gguf}: no {arch}.{key} in its metadata: not a model llama.cpp runs")
         return int(f.contents())
-    vocab = len(fields["tokenizer.ggml.tokens"].contents())
-    shape = {"layers": get("block_count"), "hidden": get("embedding_length"), "vocab": vocab}
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ModelError(f"{target_gguf}: the GGUF file holds no tokenizer (tokenizer.ggml.tokens)")
+    shape = {"layers": get("block_count"), "hidden": get("embedding_length"),
+             "vocab": len(fields["tokenizer.ggml.tokens"].contents())}
     return shape, [f for name, f in fields.items() if name.startswith("tokenizer.")]
 
 
@@ -123,8 +129,8 @@ def write_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLik
     missing = sorted(set(NAMES) - set(state))
     if missing:
         raise ModelError(f"{head_dir} lacks the EAGLE-3 tensors {missing}")
-    target, tokenizer = _target_info(target_gguf)
     hp = _head_config(cfg, head_dir)
+    target, tokenizer = _target_info(target_gguf)
     if hp["hidden"] != target["hidden"] or cfg.get("target_hidden_size", hp["hidden"]) != target["hidden"]:
         raise ModelError(f"{head_dir} has hidden size {hp['hidden']} but {target_gguf.name}'s is {target['hidden']}: "
                          "this head was trained for another model")
