@@ -388,7 +388,7 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         for row in got:
             row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]
-        if reference is None and (target_dir is not None and peers or llamacpp is not None):
+        if reference is None and (target_dir is not None and peers or llamacpp or llamacpp_server):
             reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
     if target_dir is not None and peers:
         policy = set_threads(threads, onnxruntime=False)
