@@ -20,10 +20,11 @@ fi
 nice cmake -S "$OUT/src/vendor/llama.cpp" -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
 	-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
-	-DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(realpath "$OUT")/bin" >"$OUT/cmake.log" 2>&1 \
+	>"$OUT/cmake.log" 2>&1 \
 	|| fail "cmake configure failed (see $OUT/cmake.log)"
 echo "llama.cpp: building llama-server and llama-quantize (about 15 minutes on 2 cores, once; progress below)"
 nice cmake --build "$OUT/cmake" --config Release -j "${JOBS:-2}" --target llama-server llama-quantize \
 	|| fail "the build failed"
-[ -x "$OUT/bin/llama-server" ] || fail "the build finished without $OUT/bin/llama-server"
+mkdir -p "$OUT/bin" && cp "$OUT"/cmake/bin/llama-server "$OUT"/cmake/bin/llama-quantize "$OUT/bin/" \
+	|| fail "the build finished without llama-server and llama-quantize"
 echo "llama.cpp: built $OUT/bin/llama-server and $OUT/bin/llama-quantize"
