@@ -270,7 +270,8 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
     sweep_set = prompts[: cfg.sweep_prompts]
     chosen, sweeps = {}, {}
     for e, path in targets.items():
-        log(f"llama.cpp EAGLE-3 on {e}: sweeping {len(cfg.drafts)} draft settings on {len(sweep_set)} prompts")
+        if len(cfg.drafts) > 1:
+            log(f"llama.cpp EAGLE-3 on {e}: sweeping {len(cfg.drafts)} draft settings on {len(sweep_set)} prompts")
         try:
             chosen[e], sweeps[e] = _sweep(cfg.bin_dir, path, heads[e], cfg.drafts, sweep_set,
                                           min(cfg.sweep_tokens, max_new_tokens), threads, n_ctx, logs, log)
