@@ -46,7 +46,8 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 
 # The default model, SmolLM2-135M-Instruct, against its peers on the same weights: transformers (greedy, prompt
 # lookup) and llama.cpp (llama-cpp-python built from source here, ~6 min once: the GGUF file itself, F32 and Q8_0
-# copies, prompt lookup; built without -march=native: ggml's AMX kernels crash on quantized models here), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
+# copies, prompt lookup; built without -march=native: ggml's AMX kernels crash on quantized models here; and
+# llama-server vanilla and with its own EAGLE-3 at its best swept draft settings), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
 # Engines are built (and tuned by --trees auto) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs, slower than float32 (2026-12-04: 35 against 45 tokens/s), so it is out by default.
 # The int8 engine quantizes its draft head too: the draft only proposes, so its precision moves τ, never the output.
@@ -59,11 +60,15 @@ SMOL_TOKENS   ?= 128
 SMOL_TREES    ?= auto
 SMOL_OUT      ?= build/bench-smollm2.json
 LLAMACPP      ?= llama-cpp-python==0.3.36
+# llama.cpp's llama-server + llama-quantize, built once from that sdist's source (tools/build_llamacpp.sh, ~15 min
+# on 2 cores): its own EAGLE-3 with the head written by `eaglex export --to llama.cpp`, F32 / Q8_0 / packaged targets
+LLAMACPP_BUILD ?= build/llama.cpp
 smol_engine = [ -d engines/smollm2-135m-$(1) ] || $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
 	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 eagle1,$(1)),--quant-draft)
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
+	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" $(BIN)/pip install -q $(LLAMACPP) \
 		|| echo "make bench: llama-cpp-python did not build here: the llama.cpp rows are left out"
 	$(if $(filter fp8,$(SMOL_QUANT)),[ -d engines/smollm2-135m-fp8 ] || [ -d $(SMOL_CAL) ] || \
@@ -72,7 +77,7 @@ bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformer
 	$(BIN)/eaglex bench --target $(SMOL_GGUF) --draft $(SMOL)/eagle3 --no-torch --engine engines/smollm2-135m \
 		--engine engines/smollm2-135m-eagle1 $(SMOL_QUANT:%=--engine engines/smollm2-135m-%) \
 		--prompts $(SMOL)/prompts.jsonl --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
-		--trees $(SMOL_TREES) --out $(SMOL_OUT)
+		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --out $(SMOL_OUT)
 
 BENCH_OUT ?= build/bench.json
 # Quantized engines of the embedded default, benched after engines/tiny in the same table (rows ort:tiny-Q) and built

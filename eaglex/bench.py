@@ -61,6 +61,7 @@ class Row:
     device: str = ""
     enforced: bool = True        # False: a mismatch with vanilla is reported, not a failure (see the docstring)
     note: str = ""
+    tau: float | None = None     # a peer's own count of tokens per target forward (llama-server's timings)
 
     def add(self, r, baseline) -> None:
         """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
@@ -79,8 +80,8 @@ class Row:
 
     def as_dict(self) -> dict:
         # transformers' and llama.cpp's assisted and prompt-lookup rows report no acceptance: their τ is unknown
-        tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else \
-            (1.0 if self.method in ("vanilla", "hf greedy", "greedy") else None)
+        tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else self.tau if self.tau is not None \
+            else (1.0 if self.method in ("vanilla", "hf greedy", "greedy") else None)
         hist = {str(k): self.accept_lengths.count(k) for k in sorted(set(self.accept_lengths))}
         per_cycle = lambda s: round(1e3 * s / self.cycles, 3) if self.cycles else None  # noqa: E731
         ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
@@ -348,11 +349,12 @@ def _tuned_label(engine, tree: TreeConfig) -> str:
 
 def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
-        device: str = "cpu", dtype: str = "float32", llamacpp=None) -> list[dict]:
+        device: str = "cpu", dtype: str = "float32", llamacpp=None, llamacpp_server=None) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
     every tree (None = the engine's own tree, tuned once if it never was; where tuning chose vanilla, the head's
-    kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, and the llama.cpp peers with
-    `llamacpp` (a llamacpp_peer.LlamaCppConfig). Prints the table, writes the JSON to `out`, returns the rows."""
+    kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the llama.cpp peers with
+    `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server` (a
+    llamacpp_server.ServerPeerConfig). Prints the table, writes the JSON to `out`, returns the rows."""
     from eaglex.engines.tune import tune_engine
 
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -386,15 +388,16 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         for row in got:
             row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]
-        if reference is None and (target_dir is not None and peers or llamacpp is not None):
+        if reference is None and (target_dir is not None and peers or llamacpp or llamacpp_server):
             reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
     if target_dir is not None and peers:
         policy = set_threads(threads, onnxruntime=False)
         for r in run_hf_peers(target_dir, prompts, max_new_tokens, draft_lm_dir, reference, device, dtype):
             r.threads = f"torch {policy['torch']}"
             rows.append(r.as_dict())
-    if llamacpp is not None:
+    if llamacpp is not None or llamacpp_server is not None:
         from eaglex.llamacpp_peer import run_llamacpp_peers
+        from eaglex.llamacpp_server import run_server_peers
         from eaglex.runtime.ort_session import physical_cores
         _, first = engines[0]
         set_threads(threads, onnxruntime=first.layout == "engine")     # the first engine's policy, for its baseline
@@ -403,9 +406,15 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         def baseline(p, n):     # eaglex vanilla interleaved with the llama.cpp rows: the same load for both
             r = vanilla.generate(p, n)
             return r.output_ids, r.seconds
-        got = run_llamacpp_peers(llamacpp, prompts, max_new_tokens, threads or physical_cores(), first.spec.eos_ids,
-                                 first.spec.max_context, reference, baseline=baseline)
-        rows += [r.as_dict() for r in got]
+        spec, cores = first.spec, threads or physical_cores()
+        if llamacpp is not None:
+            got = run_llamacpp_peers(llamacpp, prompts, max_new_tokens, cores, spec.eos_ids, spec.max_context,
+                                     reference, baseline=baseline)
+            rows += [r.as_dict() for r in got]
+        if llamacpp_server is not None:
+            got = run_server_peers(llamacpp_server, prompts, max_new_tokens, cores, spec.eos_ids, spec.max_context,
+                                   reference, baseline=baseline)
+            rows += [r.as_dict() for r in got]
     hf = next((r for r in rows if r["method"] == "hf greedy"), None)
     for r in rows:
         r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None

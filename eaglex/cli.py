@@ -131,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "came from a GGUF file that is found (given as --target FILE.gguf, beside the folder, or in "
                           "a preset's pip package); FILE.gguf: that file (checked against the target's); off: none. "
                           "These rows report whether their tokens equal eaglex vanilla but never fail the run")
+    ben.add_argument("--llamacpp-server", default="auto", metavar="auto|off|DIR",
+                     help="llama.cpp's own EAGLE-3 (llama-server, with and without the --draft head written by "
+                          "`eaglex export --to llama.cpp`) on the --llamacpp GGUF file and its F32 and Q8_0 copies, "
+                          "interleaved with eaglex vanilla on the same cores; DIR holds llama-server and "
+                          "llama-quantize (built by tools/build_llamacpp.sh); auto (default): build/llama.cpp/bin, "
+                          "else PATH; off: none. Reported, never failing the run")
+    ben.add_argument("--llamacpp-drafts", metavar="N/P,...",
+                     help="llama.cpp EAGLE-3 draft settings swept per target (--spec-draft-n-max N / "
+                          "--spec-draft-p-min P, on the first 4 prompts against its vanilla); the fastest is "
+                          "benched (default: n-max 2, 4, 8 x p-min 0, 0.5, 0.75; one setting: no sweep)")
     ben.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON results file")
 
     bld = sub.add_parser("build", help="export a target (+ EAGLE head) to an engine folder and check it")
@@ -264,6 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--gguf", type=Path, required=True, help="the .gguf file (F32, F16, BF16, Q8_0, Q4_x, ...)")
     imp.add_argument("--out", type=Path, required=True, help="folder to write (config, safetensors, tokenizer)")
     imp.add_argument("--force", action="store_true", help="replace an existing folder")
+
+    exp = sub.add_parser("export", help="write an EAGLE-3 head for another runtime: llama.cpp (a GGUF file)")
+    exp.add_argument("--to", choices=("llama.cpp",), required=True,
+                     help="llama.cpp: a GGUF draft for `llama-server -m TARGET.gguf -md OUT --spec-type "
+                          "draft-eagle3`")
+    exp.add_argument("--draft", type=Path, required=True, help="EAGLE-3 head folder (e.g. from train-draft)")
+    exp.add_argument("--target", dest="target_gguf", type=Path, required=True, metavar="TARGET.gguf",
+                     help="the target's GGUF file, as llama.cpp will load it (its tokenizer is copied)")
+    exp.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
+    exp.add_argument("--dtype", choices=("F32", "F16"), default="F32",
+                     help="the head's matrices (norms stay F32; llama-quantize makes smaller ones)")
+    exp.add_argument("--force", action="store_true", help="replace an existing file")
 
     trn = sub.add_parser("train-draft", help="train an EAGLE head for a target on its own continuations of prompts")
     trn.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
@@ -441,23 +463,38 @@ def cmd_bench(args) -> int:
         raise ModelError("give --target (torch rows) and/or --engine DIR")
     prompts = read_prompts(args.prompts, load_tokenizer(args.target) or engines[0][1].tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
-    llamacpp = _llamacpp_from_args(args, engines)
+    llamacpp, server = _llamacpp_from_args(args, engines)
     rows = bench.run(engines, prompts, trees, args.max_new_tokens, args.target, args.draft_lm, not args.no_peers,
-                     args.threads or None, args.out, device=device, llamacpp=llamacpp)
+                     args.threads or None, args.out, device=device, llamacpp=llamacpp, llamacpp_server=server)
     # llama.cpp rows report their agreement with vanilla without failing the run (identical_enforced false)
     return 0 if all(r["identical_to_vanilla"] or not r["identical_enforced"] for r in rows) else 1
 
 
 def _llamacpp_from_args(args, engines):
-    """bench --llamacpp as a LlamaCppConfig or None. The target folder: --target, else the folder the first engine
-    was built from (its manifest's source path)."""
-    from eaglex.llamacpp_peer import resolve
+    """bench --llamacpp / --llamacpp-server as (LlamaCppConfig or None, ServerPeerConfig or None). The target
+    folder: --target, else the folder the first engine was built from (its manifest's source path)."""
+    from eaglex.llamacpp_peer import cache_dir, find_source, resolve
+    from eaglex.llamacpp_server import ServerPeerConfig, find_bin, parse_drafts
     target = args.target
     if target is None:
         manifest = next((e.manifest for _, e in engines if e.manifest), None) or {}
         path = manifest.get("sources", {}).get("target", {}).get("path")
         target = Path(path) if path else None
-    return resolve(args.llamacpp, target, getattr(args, "gguf_sources", {}).get("target"))
+    hint = getattr(args, "gguf_sources", {}).get("target")
+    binding = resolve(args.llamacpp, target, hint)
+    drafts = parse_drafts(args.llamacpp_drafts)                 # a bad spelling fails before anything runs
+    bin_dir = find_bin(args.llamacpp_server)
+    if bin_dir is None or args.llamacpp == "off":
+        return binding, None
+    if args.draft is None:
+        print("llama.cpp EAGLE-3 peers: skipped (pass --draft HEAD, the EAGLE-3 head folder)", file=sys.stderr)
+        return binding, None
+    source = binding.source if binding is not None else find_source(
+        args.llamacpp, target, hint, lambda why: print(f"llama.cpp EAGLE-3 peers: skipped ({why})", file=sys.stderr))
+    if source is None:
+        return binding, None
+    return binding, ServerPeerConfig(bin_dir=bin_dir, source=source, head=args.draft, cache_dir=cache_dir(target),
+                                     drafts=drafts)
 
 
 def cmd_build(args) -> int:
@@ -605,6 +642,15 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from eaglex.export.llamacpp import write_eagle3_gguf
+    if args.out.exists() and not args.force:
+        raise ModelError(f"{args.out} already exists: pass --force to replace it")
+    out = write_eagle3_gguf(args.draft, args.target_gguf, args.out, args.dtype)
+    print(f"wrote {out}; run it with\n  llama-server -m {args.target_gguf} -md {out} --spec-type draft-eagle3")
+    return 0
+
+
 def cmd_train_draft(args) -> int:
     from eaglex.runtime.device import resolve_device
     from eaglex.training.train_draft import TrainDraftConfig, train_draft
@@ -629,7 +675,7 @@ def _gguf_targets(args) -> None:
 
 COMMANDS = {"generate": cmd_generate, "check": cmd_check, "engine": cmd_engine, "bench": cmd_bench,
             "build": cmd_build, "calibrate": cmd_calibrate, "triton": cmd_triton, "train-draft": cmd_train_draft,
-            "import": cmd_import, "serve": cmd_serve}
+            "import": cmd_import, "serve": cmd_serve, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ def _marker(target_dir: Path | None) -> dict | None:
     return json.loads((Path(target_dir) / MARKER).read_text())
 
 
-def _cache_dir(target_dir: Path | None) -> Path:
+def cache_dir(target_dir: Path | None) -> Path:
     """Beside the target folder (`TARGET.llamacpp/`), else the eaglex cache."""
     if target_dir is not None:
         target_dir = Path(target_dir).resolve()
@@ -65,20 +65,31 @@ def _cache_dir(target_dir: Path | None) -> Path:
 
 def resolve(option: str, target_dir: Path | None, gguf_hint: Path | None = None,
             log=lambda line: print(line, file=sys.stderr)) -> LlamaCppConfig | None:
-    """The `--llamacpp` option as a config, or None (with one `log` line saying why) when there are no rows to run.
+    """The `--llamacpp` option as a config, or None (with one `log` line saying why) when there are no rows to run:
+    "off", no GGUF file found (see find_source), or llama_cpp not importable."""
+    source = find_source(option, target_dir, gguf_hint, lambda why: log(f"llama.cpp peers: skipped ({why})"))
+    if source is None:
+        return None
+    if not available():
+        log(f"llama.cpp peers: skipped (llama-cpp-python is not installed: {INSTALL})")
+        return None
+    return LlamaCppConfig(source=source, cache_dir=cache_dir(target_dir))
 
-    "off": none. "auto": when llama_cpp is importable and `target_dir` was converted from a GGUF file that is found
-    with the marker's sha256: `gguf_hint` (the path given on the command line), the marker's file name beside the
-    folder or one level up, or inside the pip package of a preset that ships it (eaglex.presets). A FILE.gguf: that
-    file; it must hold the target's weights when the marker says which.
+
+def find_source(option: str, target_dir: Path | None, gguf_hint: Path | None = None, skip=lambda why: None):
+    """The GGUF file the llama.cpp rows run, or None (after calling `skip` with the reason) when there is none.
+
+    "off": none. "auto": the file `target_dir` was converted from, found with the marker's sha256: `gguf_hint` (the
+    path given on the command line), the marker's file name beside the folder or one level up, or inside the pip
+    package of a preset that ships it (eaglex.presets). A FILE.gguf: that file; it must hold the target's weights
+    when the marker says which.
     """
     if option == "off":
         return None
     marker = _marker(target_dir)
     if option == "auto":
         if marker is None:
-            log(f"llama.cpp peers: skipped (the target {target_dir or '(none)'} was not converted from a GGUF file; "
-                f"pass --llamacpp FILE.gguf)")
+            skip(f"the target {target_dir or '(none)'} was not converted from a GGUF file; pass --llamacpp FILE.gguf")
             return None
         candidates = [gguf_hint] if gguf_hint is not None else []
         folder = Path(target_dir).resolve()
@@ -87,22 +98,17 @@ def resolve(option: str, target_dir: Path | None, gguf_hint: Path | None = None,
         found = next((c for c in candidates if c is not None and Path(c).is_file()
                       and Path(c).stat().st_size == marker["size"] and file_sha256(c) == marker["sha256"]), None)
         if found is None:
-            log(f"llama.cpp peers: skipped (the target's GGUF file {marker['source']} is not beside "
-                f"{target_dir}; pass --llamacpp FILE.gguf)")
+            skip(f"the target's GGUF file {marker['source']} is not beside {target_dir}; pass --llamacpp FILE.gguf")
             return None
-        source = Path(found)
-    else:
-        source = Path(option)
-        if not is_gguf_path(source):
-            raise ModelError(f"--llamacpp takes auto, off or a .gguf file, got {option!r}")
-        inspect_gguf(source)
-        if marker is not None and file_sha256(source) != marker["sha256"]:
-            raise ModelError(f"--llamacpp {source}: not the file {target_dir} was converted from "
-                             f"({marker['source']}, sha256 {marker['sha256'][:16]}...)")
-    if not available():
-        log(f"llama.cpp peers: skipped (llama-cpp-python is not installed: {INSTALL})")
-        return None
-    return LlamaCppConfig(source=source, cache_dir=_cache_dir(target_dir))
+        return Path(found)
+    source = Path(option)
+    if not is_gguf_path(source):
+        raise ModelError(f"--llamacpp takes auto, off or a .gguf file, got {option!r}")
+    inspect_gguf(source)
+    if marker is not None and file_sha256(source) != marker["sha256"]:
+        raise ModelError(f"--llamacpp {source}: not the file {target_dir} was converted from "
+                         f"({marker['source']}, sha256 {marker['sha256'][:16]}...)")
+    return source
 
 
 def _packaged(name: str) -> list[Path]:

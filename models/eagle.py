@@ -170,6 +170,11 @@ def detect_kind(cfg: dict, state: dict[str, torch.Tensor]) -> str:
                      "(fc [H,2H], layers.0.*)")
 
 
+def config_taps(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """The target layers (HF hidden_states indices, i.e. layer inputs) an EAGLE-3 head with config `cfg` reads."""
+    return eagle3_taps(num_layers, (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+
+
 def load_draft(path: str | Path, target: Target, kind: str | None = None) -> DraftHead:
     """Load an EAGLE head folder for `target`; `kind` forces eagle3/eagle1 instead of detecting it."""
     path = Path(path)
@@ -201,10 +206,7 @@ def load_draft(path: str | Path, target: Target, kind: str | None = None) -> Dra
                          "this head was trained for another tokenizer")
     nh = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or H // nh
-    taps = ()
-    if kind == "eagle3":
-        aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        taps = eagle3_taps(t.num_layers, aux)
+    taps = config_taps(cfg, t.num_layers) if kind == "eagle3" else ()
     spec = DraftSpec(kind=kind, hidden_size=H, num_heads=nh, num_kv_heads=cfg.get("num_key_value_heads") or nh,
                      head_dim=head_dim, intermediate_size=cfg["intermediate_size"], vocab_size=vocab,
                      draft_vocab_size=cfg.get("draft_vocab_size") or vocab, rms_eps=cfg.get("rms_norm_eps", 1e-6),
