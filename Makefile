@@ -50,7 +50,7 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 # llama-server vanilla and with its own EAGLE-3 at its best swept draft settings), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
 # Engines are built (and tuned by --trees auto) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs, slower than float32 (2026-12-04: 35 against 45 tokens/s), so it is out by default.
-# The int8 engine quantizes its draft head too: the draft only proposes, so its precision moves τ, never the output.
+# The int8 (and int4: SMOL_QUANT="int8 int4") engines quantize their draft head too: the draft only proposes, so its precision moves τ, never the output.
 SMOL          := models/smollm2-135m
 SMOL_GGUF      = $(shell $(BIN)/python -c "from eaglex.presets import preset_target_file as f; print(f('smollm2-135m'))")
 SMOL_QUANT    ?= int8
@@ -65,7 +65,7 @@ LLAMACPP      ?= llama-cpp-python==0.3.36
 LLAMACPP_BUILD ?= build/llama.cpp
 smol_engine = [ -d engines/smollm2-135m-$(1) ] || $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
-	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 eagle1,$(1)),--quant-draft)
+	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 int4 eagle1,$(1)),--quant-draft)
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
 	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true

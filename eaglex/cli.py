@@ -153,10 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     bld.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     bld.add_argument("--force", action="store_true", help="replace an existing engine folder")
     q = bld.add_argument_group("quantization")
-    q.add_argument("--quant", choices=("fp8", "int8"),
-                   help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime) or the ModelOpt FP8 checkpoint "
-                        "(tensorrt-llm); int8: MatMulNBits with int8 activations, the fast quantized CPU path "
-                        "(onnxruntime; exact with chain trees, one request at a time)")
+    q.add_argument("--quant", choices=("fp8", "int8", "int4"),
+                   help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime; exact with chain trees, one request at "
+                        "a time) or the ModelOpt FP8 checkpoint (tensorrt-llm); int8 / int4: MatMulNBits with int8 "
+                        "activations and row-independent attention, the fast quantized CPU path (onnxruntime; "
+                        "exact with any tree and in batches)")
     q.add_argument("--calibrated", type=Path, help="FP8 checkpoint written by `eaglex calibrate` (for --quant fp8)")
     q.add_argument("--quant-draft", action="store_true",
                    help="quantize the draft graphs too (onnxruntime); alone: int8 draft, float target (cheaper "
@@ -423,7 +424,7 @@ def cmd_check(args) -> int:
         if args.batch > 1:
             batched = engine.generate(prompts, sampling, args.max_new_tokens, batch=args.batch)
             how = (f"up to {args.batch} at a time, batch schedule {engine.batch_schedule()}"
-                   if getattr(engine.backend, "batch_exact", True) else
+                   if engine.batch_exact(max(map(len, prompts)) + args.max_new_tokens) else
                    "one at a time: this engine's exactness rules keep requests apart")
             text, batch_ok = format_batched(rows, batched, how)
             print(text)
@@ -538,7 +539,11 @@ def cmd_build(args) -> int:
         print(f"  quantized {args.quant}: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"
               f" target logits vs float: rel. error {q['parity']['logits_rel_error']:.2e}, "
               f"top-1 agreement {q['parity']['top1_agreement']:.2%}")
-        if manifest.get("exactness"):
+        rules = manifest.get("exactness") or {}
+        if rules.get("row_independent_keys"):
+            print(f"  rows computed independently of the call (up to {rules['row_independent_keys']} keys per call): "
+                  "exact against this engine's vanilla decoding with any tree and in batches")
+        elif rules:
             print(f"  exact against this engine's vanilla decoding with chain trees (tree {manifest['tree']} until "
                   "tuned), one request at a time: quantized activations turn last-bit float differences into "
                   "flipped tokens otherwise")

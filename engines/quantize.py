@@ -6,10 +6,13 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
 - fp8:  FP8 Q/DQ from the scales of a calibrated ModelOpt checkpoint (`eaglex calibrate`). The KV cache stays in
         the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
         attention; the TensorRT-LLM bundle is where they are used). Same exactness rules as int8.
-- int8: MatMulNBits (8-bit weights in blocks of 32, accuracy level 4: int8 activations, ONNX Runtime's fast CPU
-  kernel); needs no calibration. Its outputs stay exact under the rules the manifest's `exactness` records
-  (EXACTNESS below, followed by runtime/ort_backend.py): target calls of two rows or more, a KV cache without
-  holes, chain trees, one request at a time.
+- int8 / int4: MatMulNBits (8- or 4-bit weights in blocks of 32, accuracy level 4: int8 activations, ONNX Runtime's
+  fast CPU kernel); needs no calibration. The target's attention is rewritten row-independently
+  (export/row_attention.py), so a row's logits are bit-identical however many rows share the call, wherever its
+  keys sit in the cache and whatever it is batched with: the manifest's `exactness` records
+  `row_independent_keys` (calls seeing up to that many keys) and the runtime keeps no rule but that bound
+  (runtime/ort_backend.py). FP8 engines keep the exactness rules (EXACT_RULES below): target calls of two rows or
+  more, a KV cache without holes, chain trees, one request at a time.
 
 The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
 quantize_draft rewrites the draft graphs alone (int8) and leaves the target float: the draft only proposes tokens
@@ -31,25 +34,31 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from eaglex.export.row_attention import ROW_INDEPENDENT_KEYS
 from eaglex.models.errors import ModelError
 from eaglex.models.target import causal_mask
 
 from eaglex.runtime.manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
 
-QUANT_METHODS = ("fp8", "int8")
+QUANT_METHODS = ("fp8", "int8", "int4")
+NBITS = {"int8": 8, "int4": 4}
+_ROWS = "; attention row-independent (FusedMatMul decomposition)"
 FORMATS = {
     "fp8": "ONNX QuantizeLinear/DequantizeLinear float8e4m3fn (opset 23): FP8 weights (DQ), static per-tensor "
            "activation Q/DQ; lm_head and embeddings float",
-    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)",
+    "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
+    "int4": "com.microsoft::MatMulNBits bits=4 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
 }
 # Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
-EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": ()}
+EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": (), "int4": ()}
 # How the runtime keeps a quantized engine's speculative output bit-identical to its vanilla output
 # (export/quantize.py says why): int8 or FP8 activations amplify the float rounding differences between a one-row
 # and a many-row Attention call, between keys at different indices, and between rows padded together in a batch
 # (measured on SmolLM2: without these rules the fp8 engine matched vanilla on 1 of 8 prompts, int8 on 0 of 4).
 EXACT_RULES = {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
-EXACTNESS = {"int8": EXACT_RULES, "fp8": EXACT_RULES}
+# MatMulNBits engines with row-independent attention: no rule while a call sees at most this many keys.
+ROW_INDEPENDENT = {"row_independent_keys": ROW_INDEPENDENT_KEYS}
+EXACTNESS = {"int8": ROW_INDEPENDENT, "int4": ROW_INDEPENDENT, "fp8": EXACT_RULES}
 # A ModelOpt-exported EAGLE-3 draft names its layer layers.0.*, the engine's graph midlayer.*.
 DRAFT_PREFIXES = {"layers.0.": "midlayer."}
 
@@ -78,8 +87,12 @@ def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool 
     graphs = ["target"] + (_draft_graphs(m) if draft else [])
     scales, source = _scales(quant, calibrated_dir, calibrated_draft_dir, draft)
 
+    spec = m["target"]["spec"]
+    heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
+
     def quantize(g: str, src: Path, dst: Path):
-        return _quantize_graph(quant, src, dst, scales.get("draft" if g != "target" else "target"))
+        return _quantize_graph(quant, src, dst, scales.get("draft" if g != "target" else "target"),
+                               heads if g == "target" else None)
 
     def finish(tmp: Path, reports: dict) -> dict:
         manifest = _updated_manifest(m, tmp, quant, reports, source, target_parity(engine, tmp, m), draft)
@@ -91,7 +104,7 @@ def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool 
 def quantize_draft(engine_dir, progress: bool = True) -> dict:
     """Quantize only the draft graphs of the float engine folder `engine_dir` (int8 MatMulNBits) in place; returns
     its new manifest, whose `draft_quant` records it. The target stays float, so nothing about exactness changes."""
-    from eaglex.export.quantize import int8_weight_only
+    from eaglex.export.quantize import nbits_weight_only
 
     t0 = time.perf_counter()
     engine = Path(engine_dir)
@@ -117,7 +130,7 @@ def quantize_draft(engine_dir, progress: bool = True) -> dict:
             out.pop(key, None)
         return out
     return _rewrite(engine, m, _draft_graphs(m), "quantize draft int8",
-                    lambda g, src, dst: int8_weight_only(src, dst, exclude=EXCLUDE["int8"]), finish, progress)
+                    lambda g, src, dst: nbits_weight_only(src, dst, 8, EXCLUDE["int8"]), finish, progress)
 
 
 def draft_quant_line(m: dict) -> str:
@@ -158,7 +171,7 @@ def _scales(quant, calibrated_dir, calibrated_draft_dir, draft) -> tuple[dict, d
     """{"target": scales, "draft": scales} for fp8 (empty for int8) and the manifest's record of their source."""
     if quant != "fp8":
         if calibrated_dir is not None:
-            raise ModelError("--calibrated is for --quant fp8; int8 quantization needs no calibration")
+            raise ModelError(f"--calibrated is for --quant fp8; {quant} quantization needs no calibration")
         return {}, {"calibration": None}
     from eaglex.calibration.checkpoint import quant_config, read_fp8_scales
 
@@ -186,17 +199,19 @@ def _source(folder, qc: dict) -> dict:
             "report": str(report) if report.is_file() else None}
 
 
-def _quantize_graph(quant: str, src: Path, dst: Path, scales):
-    from eaglex.export.quantize import fp8_qdq, int8_weight_only
+def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, int, int] | None):
+    """`heads` (query heads, KV heads, head dim) for the target graph: its attention is made row-independent. The
+    draft's stays fused (faster): the draft only proposes, its numerics never reach the output."""
+    from eaglex.export.quantize import fp8_qdq, nbits_weight_only
     if quant == "fp8":
         return fp8_qdq(src, dst, scales, exclude=EXCLUDE["fp8"])
-    return int8_weight_only(src, dst, exclude=EXCLUDE["int8"])
+    return nbits_weight_only(src, dst, NBITS[quant], EXCLUDE[quant], row_attention=heads)
 
 
 def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: dict, parity: dict,
                       draft: bool) -> dict:
     out = _with_files(m, folder, reports)
-    out["dtypes"] = dict(m["dtypes"], weights={"fp8": "float8e4m3fn", "int8": "int8"}[quant])
+    out["dtypes"] = dict(m["dtypes"], weights={"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4"}[quant])
     out["quant"] = {"method": quant, "format": FORMATS[quant], "draft_quantized": draft,
                     "graphs": {g: r.to_json() for g, r in reports.items()},
                     "bytes_before": sum(r.bytes_before for r in reports.values()),
@@ -206,7 +221,7 @@ def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: 
     out["tree"] = None
     if quant in EXACTNESS and "target" in reports:
         out["exactness"] = EXACTNESS[quant]
-        out["tree"] = "chain:2" if EXACTNESS[quant]["trees"] == "chain" else None
+        out["tree"] = "chain:2" if EXACTNESS[quant].get("trees") == "chain" else None
     for key in ("tuning", "batch_schedule"):
         out.pop(key, None)
     return out

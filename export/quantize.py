@@ -20,15 +20,15 @@ constants at load (runtime/ort_session.py), so on CPU the graph runs at about fp
 (unfolded, every run dequantizes every weight, and one-token rows differ from tree rows: 40-50x slower). The FP8
 activation Q/DQ amplifies float rounding as int8 activations do, so the same exactness rules apply (below).
 
-int8_weight_only: `com.microsoft::MatMulNBits` with 8-bit symmetric blocks of 32 along K and accuracy_level=4
-(int8 activations, quantized per row and block inside the kernel): ONNX Runtime's fast CPU path, 3-10x faster
-than a float32 MatMul for the few rows of a decode step (level 1, float32 compute, dequantizes the weights on
-every call and runs 10x slower than float32). Its rows are independent of each other and of the row count, but
-int8 activations turn the float32 rounding noise of other kernels into visible logit changes: a one-row Attention
-call rounds differently from a many-row one, and so does a key whose index in the past moved. Exactness then needs
-every target call to carry two rows or more, the KV cache without holes, and chains (a tree node's ancestors sit
-at other indices than in a vanilla decode); engines/quantize.py records these rules as the manifest's `exactness`
-and runtime/ort_backend.py follows them.
+nbits_weight_only: `com.microsoft::MatMulNBits` with 8-bit (or 4-bit) symmetric blocks of 32 along K and
+accuracy_level=4 (int8 activations, quantized per row and block inside the kernel): ONNX Runtime's fast CPU path,
+3-10x faster than a float32 MatMul for the few rows of a decode step (level 1, float32 compute, dequantizes the
+weights on every call and runs 10x slower than float32). Its rows are independent of each other and of the row
+count, but int8 activations turn the float32 rounding noise of other kernels into visible logit changes: ONNX
+Runtime's fused Attention rounds a one-row call differently from a many-row one, and a key whose index in the
+buffer moved. `row_attention` therefore rewrites the target's Attention nodes (export/row_attention.py) so that
+every row of the graph is computed independently of the call; a graph without that rewrite needs the exactness
+rules of engines/quantize.py (two rows or more per call, no KV holes, chains, no batching).
 
 Both keep external data right: the input's `.onnx.data` is read with the graph, and the output goes to
 `<out>.data` when its weights exceed the threshold the exporter uses, else into the file itself. Graph metadata
@@ -49,10 +49,11 @@ from onnx import TensorProto, helper, numpy_helper
 from eaglex.models.errors import ModelError
 
 from .onnx_export import EXTERNAL_DATA_ABOVE
+from .row_attention import rewrite_attention
 
 FP8_MAX = 448.0                      # largest finite float8e4m3fn
-INT8_BLOCK = 32
-INT8_ACCURACY_LEVEL = 4   # int8 activations: the fast kernel; exactness rules in the module docstring
+NBITS_BLOCK = 32
+NBITS_ACCURACY_LEVEL = 4   # int8 activations: the fast kernel (see the module docstring)
 # Relative L2 distance between a checkpoint's dequantized FP8 weight and the graph's float weight above which the
 # checkpoint is taken to come from another model (FP8 rounding alone gives about 2-3 %).
 FP8_WEIGHT_MISMATCH = 0.1
@@ -229,10 +230,12 @@ def _checked_bits(mod: str, w: np.ndarray, s: Fp8Scales) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------------- int8
 
-def int8_weight_only(onnx_path, out_path, exclude: tuple[str, ...] = (), block_size: int = INT8_BLOCK,
-                     accuracy_level: int = INT8_ACCURACY_LEVEL) -> QuantReport:
-    """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes an 8-bit MatMulNBits
-    (symmetric: no zero points); modules matching a regex in `exclude` stay float."""
+def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ...] = (),
+                      row_attention: tuple[int, int, int] | None = None, block_size: int = NBITS_BLOCK,
+                      accuracy_level: int = NBITS_ACCURACY_LEVEL) -> QuantReport:
+    """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes a `bits`-bit (8 or 4)
+    MatMulNBits (symmetric: no zero points); modules matching a regex in `exclude` stay float. `row_attention`
+    (query heads, KV heads, head dim): also rewrite the Attention nodes row-independently."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     onnx_path, out_path = Path(onnx_path), Path(out_path)
@@ -249,7 +252,7 @@ def int8_weight_only(onnx_path, out_path, exclude: tuple[str, ...] = (), block_s
     if not candidates:
         raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
     metadata = [(p.key, p.value) for p in model.metadata_props]
-    q = MatMulNBitsQuantizer(model, bits=8, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
                              nodes_to_exclude=exclude_nodes)
     with _quiet_logger("onnxruntime.quantization"):        # it logs a line per node at INFO
         q.process()
@@ -260,8 +263,13 @@ def int8_weight_only(onnx_path, out_path, exclude: tuple[str, ...] = (), block_s
     quantized = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
     if len(quantized) != len(candidates):
         raise ModelError(f"{onnx_path.name}: MatMulNBits replaced {len(quantized)} of {len(candidates)} MatMuls")
+    if row_attention is not None:
+        try:
+            rewrite_attention(out, *row_attention)
+        except ValueError as e:
+            raise ModelError(f"{onnx_path.name}: {e}") from None
     files = _save(out, out_path)
-    return QuantReport("int8", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+    return QuantReport(f"int{bits}", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
 
 
 @contextlib.contextmanager

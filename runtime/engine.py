@@ -119,6 +119,13 @@ class Engine:
         from .batch_backend import batch_backend
         return batch_backend(BoundedContext(self.backend, 1), 1).slot_bytes
 
+    def batch_exact(self, context: int | None = None, schedule=None) -> bool:
+        """Whether requests of up to `context` tokens (default: the model's) batched on `schedule` decode exactly as
+        alone: not under FP8's exactness rules, and within a row-independent engine's keys per call."""
+        keys = getattr(self.backend, "exact_keys", None)
+        span = (context or self.backend.spec.max_context) + (schedule or self.batch_schedule()).max_nodes
+        return getattr(self.backend, "batch_exact", True) and (keys is None or span <= keys)
+
     def batcher(self, max_batch: int, schedule=None, solo: bool = True, context: int | None = None):
         """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights).
         `solo`: a request alone in flight runs on a single-request generator, so one request at a time costs what
@@ -133,9 +140,10 @@ class Engine:
             raise ModelError(f"batched decoding runs on the CPU for now, and this engine runs on {self.device}: "
                              "decode one request at a time (batch 1) on a GPU")
         schedule = schedule or self.batch_schedule()
-        if not getattr(self.backend, "batch_exact", True):
-            # an int8 engine (manifest `exactness`): rows padded together in one forward round differently from
-            # a request decoded alone, so requests take turns on the single-request path
+        if not self.batch_exact(context, schedule):
+            # an FP8 engine (manifest `exactness`), or a longer context than an int8 engine's rows stay independent
+            # for: rows padded together in one forward could round differently from a request decoded alone, so
+            # requests take turns on the single-request path
             max_batch, solo = 1, True
         factory = None
         if solo:

@@ -252,8 +252,12 @@ class SpeculativeGenerator(_Base):
         backend.end_prefill(result, t0)
         length = n                                             # committed target rows; the root sits at `length`
 
+        # Row-independent quantized engines are exact with trees while a call sees at most `exact_keys` keys;
+        # past that, only chains (whose rows sit where vanilla decoding puts them) keep drafting.
+        keys = getattr(self.backend, "exact_keys", None)
+        limit = min(self.spec.max_context, keys) if keys and self.tree_cfg.kind != "chain" else self.spec.max_context
         while not emitter.done:
-            if length + max_nodes > self.spec.max_context:    # a tree would run past the context: finish plainly
+            if length + max_nodes > limit:    # a tree would run past the context (or that bound): finish plainly
                 logits, _ = backend.target_forward(torch.tensor([[root]]), torch.tensor([[length]]), None)
                 backend.target_commit(torch.arange(1))
                 length += 1

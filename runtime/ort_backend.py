@@ -9,10 +9,14 @@ On a GPU provider (`providers`, see ort_session.choose_providers) the KV values 
 device memory and stay there; logits, features and the draft's top-k come back to the host, where the loop reads
 them (the tensors this backend returns are always on the CPU: `device`).
 
-An engine may carry `exactness` rules in its manifest (int8 and FP8 engines: engines/quantize.py): `min_rows` pads every
-target call to that many rows (extra rows repeat the last token one position further and are never committed),
-`kv_holes: false` compacts the target cache instead of leaving rejected rows as holes, `trees` names the only tree
-kind whose output stays exact (`exact_trees`, checked by the generator), `batching: false` keeps requests apart.
+An engine may carry `exactness` rules in its manifest (quantized engines: engines/quantize.py). Int8/int4 engines
+compute every row independently of the call up to `row_independent_keys` keys per call (`exact_keys`): the target
+cache then keeps holes only while a call sees at most that many keys and compacts before it would see more (so a
+longer context still sits where vanilla decoding puts it), and the generators keep trees other than chains and
+batches within that bound. FP8 engines carry the older rules: `min_rows` pads every target call to that many rows
+(extra rows repeat the last token one position further and are never committed), `kv_holes: false` compacts the
+target cache instead of leaving rejected rows as holes, `trees` names the only tree kind whose output stays exact
+(`exact_trees`, checked by the generator), `batching: false` keeps requests apart.
 
 Loading validates the engine: manifest format version, every file's size (and sha256 up to 2 GiB), each graph's
 engine id, and that the graphs' shapes fit the manifest and each other. Any failure is one ModelError line.
@@ -92,8 +96,9 @@ class OrtBackend(CachedBackend):
         self.min_rows = int(rules.get("min_rows", 1))
         self.exact_trees = rules.get("trees")            # None: any tree; "chain": chains only
         self.batch_exact = bool(rules.get("batching", True))
+        self.exact_keys = rules.get("row_independent_keys")  # None: no bound (float engines, FP8's rules)
         self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.providers,
-                                 holes=bool(rules.get("kv_holes", True)))
+                                 holes=bool(rules.get("kv_holes", True)), holes_within=self.exact_keys)
         self.dcache = None
         if draft:
             d = draft["spec"]

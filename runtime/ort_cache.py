@@ -50,13 +50,16 @@ HOLES_SHARE = 4
 
 class OrtKVCache:
     def __init__(self, count: int, num_kv_heads: int, head_dim: int, dtype: str, providers: list | None = None,
-                 holes: bool = True):
+                 holes: bool = True, holes_within: int | None = None):
         """`providers`: the engine's (runtime/ort_session.choose_providers); on a GPU provider the values live in
         device memory (the graphs' present_* outputs and the gathers are bound there) and never cross to the host.
         `holes=False`: every commit that is not all pending rows in order compacts, so a row's index in the cache
-        is its position (quantized engines need it for exactness: runtime/ort_backend.py)."""
+        is its position (FP8 engines need it for exactness: runtime/ort_backend.py). `holes_within`: holes are kept
+        only while a forward sees at most that many rows; a forward that would see more first compacts, so every
+        row beyond sits at its position's index, as in vanilla decoding (row-independent engines' bound)."""
         self.count, self.heads, self.dim, self.dtype = count, num_kv_heads, head_dim, dtype
         self.allow_holes = holes
+        self.holes_within = holes_within
         self.device = provider_device(providers)
         self.gather = gather_session(count, dtype, providers)
         self.capacity = 0
@@ -80,6 +83,10 @@ class OrtKVCache:
         end = self.length + self.pending + n
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+        if (self.holes_within is not None and self.rows + self.pending + n > self.holes_within
+                and self.pending == 0 and self.rows > self.length):
+            self._compact(np.flatnonzero(self.valid))
+            self.current = self.committed
 
     def attention_mask(self, mask, batch: int, n: int) -> np.ndarray:
         """[B,1,N,rows+pending+N] bool for a forward of n rows: the valid committed rows, then `mask` over the

@@ -1,5 +1,6 @@
-"""Quantization: ModelOpt FP8 calibration (checkpoint layout, scales, quality report), FP8 Q/DQ and int8 MatMulNBits
-graphs in ONNX Runtime, and `eaglex check` on quantized engines (speculative == vanilla on the same engine).
+"""Quantization: ModelOpt FP8 calibration (checkpoint layout, scales, quality report), FP8 Q/DQ and int8/int4
+MatMulNBits graphs in ONNX Runtime, the row independence of the MatMulNBits engines (a row's logits bit for bit the
+same at any call shape), and `eaglex check` on quantized engines (speculative == vanilla on the same engine).
 
 One float engine (Llama fixture + EAGLE-3 head) is built per module and copied for each quantization; one
 calibration is shared by every FP8 test. The calibration text is the target's own greedy continuations, so that its
@@ -265,18 +266,109 @@ def _fake_quant_reference(target_dir, checkpoint, ids) -> np.ndarray:
     return model(ids).logits[0].numpy()
 
 
-def test_int8_target_graph_runs_close_to_fp32(float_engine, models, tmp_path):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nbits_target_graph_runs_close_to_fp32(float_engine, models, tmp_path, bits):
     L = _sizes(models["llama"])[0]
-    rep = q.int8_weight_only(float_engine / "target.onnx", tmp_path / "target.onnx")
+    spec = read_manifest(float_engine)["target"]["spec"]
+    heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
+    rep = q.nbits_weight_only(float_engine / "target.onnx", tmp_path / "target.onnx", bits, row_attention=heads)
     assert len(rep.quantized) == 7 * L + 1 and rep.skipped == ()     # lm_head included (no calibrated scale needed)
     m = onnx.load(str(tmp_path / "target.onnx"))
     nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 7 * L + 1
     attrs = {a.name: a.i for a in nbits[0].attribute}
-    assert attrs["bits"] == 8 and attrs["block_size"] == 32 and attrs["accuracy_level"] == 4
+    assert attrs["bits"] == bits and attrs["block_size"] == 32 and attrs["accuracy_level"] == 4
+    ops = [n.op_type for n in m.graph.node]
+    assert "Attention" not in ops and ops.count("FusedMatMul") == 3 * L
     assert {p.key for p in m.metadata_props} >= {"eaglex.engine_id", "eaglex.graph"}
     parity = target_parity(float_engine, tmp_path, read_manifest(float_engine))
-    assert parity["logits_rel_error"] < 0.1 and parity["top1_agreement"] >= 0.95
+    # 4-bit blocks of this tiny random fixture move its logits far more than a trained model's (quality on SmolLM2:
+    # docs/results.md); the bound here only says the graph computes the same model
+    max_error, min_top1 = (0.1, 0.95) if bits == 8 else (0.6, 0.8)
+    assert parity["logits_rel_error"] < max_error and parity["top1_agreement"] >= min_top1, parity
+
+
+@pytest.mark.parametrize("heads, error", [((8, 3, 16), "do not group"), ((8, 2, 256), "head_dim <= 128")])
+def test_row_attention_refuses_what_it_cannot_keep_exact(float_engine, heads, error):
+    from eaglex.export.row_attention import rewrite_attention
+    with pytest.raises(ValueError, match=error):
+        rewrite_attention(onnx.load(str(float_engine / "target.onnx")), *heads)
+
+
+def _feeds(spec, tokens, positions, mask, past):
+    feeds = {"input_ids": tokens, "position_ids": positions, "attn_mask": mask,
+             "logits_rows": np.arange(tokens.shape[1])}
+    for i in range(spec["num_layers"]):
+        feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
+    return feeds
+
+
+def _row_identity_table(sess, spec, ids: np.ndarray, holes: int = 3) -> list[str]:
+    """Every row of `ids` computed alone (one-token steps: the reference), then again
+    - in calls of M rows for M = 1..64, after the past of the first len(ids) - M tokens;
+    - the same with `holes` masked junk keys between that past and the call's rows (a KV cache with holes, a tree's
+      siblings between a node and its ancestors);
+    - in batches of 3 requests whose pasts have other lengths, padded with masked junk to the longest;
+    and returns the cases where a row's logits or new KV rows differ from the reference in any bit."""
+    L, kv, hd = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
+    rng = np.random.default_rng(0)
+    S = ids.shape[0]
+    ref, past = [], [np.zeros((1, kv, 0, hd), np.float32)] * (2 * L)
+    for p in range(S):
+        out = sess.run(None, _feeds(spec, ids[None, p:p + 1], np.array([[p]]), np.ones((1, 1, 1, p + 1), bool),
+                                    past))
+        ref.append(out[0][0, 0])
+        past = out[-2 * L:]
+    ref, kv_ref = np.stack(ref), past
+
+    def junk(n, b=1):
+        return rng.standard_normal((b, kv, n, hd)).astype(np.float32)
+
+    def call(starts, M, h):
+        """Rows starts[b]..starts[b]+M-1 of each batch row b over its own past, padded to the longest plus h."""
+        P = max(starts) + h
+        mask = np.zeros((len(starts), 1, M, P + M), bool)
+        tensors = []
+        for b, s in enumerate(starts):
+            mask[b, 0, :, :s] = True
+            mask[b, 0, :, P:] = np.tril(np.ones((M, M), bool))
+        for t in range(2 * L):
+            tensors.append(np.concatenate([np.concatenate([kv_ref[t][:, :, :s], junk(P - s)], 2)
+                                           for s in starts], 0))
+        tokens = np.stack([ids[s:s + M] for s in starts])
+        positions = np.stack([np.arange(s, s + M) for s in starts])
+        out = sess.run(None, _feeds(spec, tokens, positions, mask, tensors))
+        return out[0], out[-2 * L:], P
+
+    bad = []
+    cases = [([S - M], M, 0) for M in range(1, 65)] + [([S - M], M, holes) for M in (1, 2, 3, 8, 17, 64)] \
+        + [([S - M - 9, S - M, S - M - 4], M, 0) for M in (1, 2, 5, 16)]
+    for starts, M, h in cases:
+        logits, presents, P = call(starts, M, h)
+        for b, s in enumerate(starts):
+            if not np.array_equal(logits[b], ref[s:s + M]):
+                bad.append(f"logits: M={M} holes={h} batch starts {starts} row {b}")
+            if not all(np.array_equal(presents[t][b, :, P:], kv_ref[t][0, :, s:s + M]) for t in range(2 * L)):
+                bad.append(f"KV: M={M} holes={h} batch starts {starts} row {b}")
+    return bad
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, tmp_path, bits):
+    """The identity row-independent engines rest on: a row's logits and KV rows are bit for bit the same whether it
+    is computed alone, among M = 1..64 rows, over a KV cache with holes, or batched with other requests padded to
+    the longest. The same MatMulNBits graph with ONNX Runtime's fused Attention fails it (the reason for the
+    rewrite: its one-row calls and its softmax's lanes round differently), so the table can tell."""
+    from eaglex.engines.quantize import ROW_INDEPENDENT_KEYS
+
+    spec = read_manifest(float_engine)["target"]["spec"]
+    ids = np.array([t for p in prompts for t in p][:72], dtype=np.int64)
+    assert ids.shape[0] + 8 <= ROW_INDEPENDENT_KEYS
+    heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
+    q.nbits_weight_only(float_engine / "target.onnx", tmp_path / "rows.onnx", bits, row_attention=heads)
+    assert _row_identity_table(_session(tmp_path / "rows.onnx"), spec, ids) == []
+    q.nbits_weight_only(float_engine / "target.onnx", tmp_path / "fused.onnx", bits)
+    assert _row_identity_table(_session(tmp_path / "fused.onnx"), spec, ids) != []
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -289,30 +381,54 @@ def _check_engine(engine, tmp_path, prompts, capsys, *options):
     assert "4/4 identical to vanilla" in out
 
 
-def test_int8_engine_check_is_token_exact(float_engine, models, tmp_path, prompts, capsys):
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_nbits_engine_check_is_token_exact(float_engine, models, tmp_path, prompts, capsys, quant):
+    """MatMulNBits engines carry no exactness rule but their keys bound: one-row vanilla steps, KV holes, dynamic
+    trees and in-flight batching all give the engine's own vanilla output."""
     L = _sizes(models["llama"])[0]
-    e = _copy_engine(float_engine, tmp_path / "int8")
-    m = quantize_engine(e, "int8", progress=False)
-    assert m["quant"]["method"] == "int8" and m["quant"]["calibration"] is None
-    assert m["dtypes"]["weights"] == "int8" and m["graphs"]["target"]["ops"]["MatMulNBits"] == 7 * L + 1
+    e = _copy_engine(float_engine, tmp_path / quant)
+    m = quantize_engine(e, quant, progress=False)
+    assert m["quant"]["method"] == quant and m["quant"]["calibration"] is None
+    assert m["dtypes"]["weights"] == quant and m["graphs"]["target"]["ops"]["MatMulNBits"] == 7 * L + 1
+    assert "Attention" not in m["graphs"]["target"]["ops"]
     assert m["quant"]["bytes_after"] < m["quant"]["bytes_before"]
     assert "MatMulNBits" not in m["graphs"]["draft"]["ops"]        # the head stays float unless asked
-    assert not list(tmp_path.glob(".int8.*"))                     # no leftovers of the atomic swap
-    assert m["exactness"] == {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
-    assert m["tree"] == "chain:2"           # not the float engine's tree: a chain, until tuning measures one
+    assert not list(tmp_path.glob(f".{quant}.*"))                 # no leftovers of the atomic swap
+    assert m["exactness"] == {"row_independent_keys": 1024} and m["tree"] is None
     b = OrtBackend(e)                                               # hashes match the new manifest
-    assert (b.min_rows, b.tcache.allow_holes, b.exact_trees, b.batch_exact) == (2, False, "chain", False)
-    for tree in ("chain:1", "chain:3"):
-        _check_engine(e, tmp_path, prompts, capsys, "--tree", tree)
-    assert main(["check", "--engine", str(e), "--prompts", str(write_prompt_file(tmp_path, prompts, 4)),
-                 "--tree", "dynamic:8/4/2"]) == 2
-    assert "chain trees only" in capsys.readouterr().err
-    eng = open_engine(e, tree=TreeConfig.parse("chain:2"))
-    assert eng.batcher(8).backend.slots == 1                        # requests take turns: no padded rows
+    assert (b.min_rows, b.tcache.allow_holes, b.exact_trees, b.batch_exact, b.exact_keys) == (1, True, None, True,
+                                                                                             1024)
+    for tree in ("chain:3", "dynamic:8/4/2"):
+        _check_engine(e, tmp_path, prompts, capsys, "--tree", tree, "--batch", "4")
+    eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))
+    assert eng.batcher(8).backend.slots == 8                        # the fixture's context is within the bound
     alone = [r.output_ids for r in open_engine(e, method="vanilla").generate(prompts[:3], max_new_tokens=16)]
     assert [r.output_ids for r in eng.generate(prompts[:3], max_new_tokens=16, batch=3)] == alone
     with pytest.raises(ModelError, match="already quantized"):
-        quantize_engine(e, "int8", progress=False)
+        quantize_engine(e, quant, progress=False)
+
+
+def test_row_independent_cache_keeps_holes_within_its_bound(float_engine, tmp_path):
+    """A one-row call is not padded, a partial commit leaves holes; a forward that would see more keys than the
+    engine's bound compacts first, so that every row past the bound sits at its position, as in vanilla decoding."""
+    e = _copy_engine(float_engine, tmp_path / "int8")
+    quantize_engine(e, "int8", progress=False)
+    b = OrtBackend(e)
+    b.reset(64)
+    b.tcache.holes_within = 16                       # the engine's bound (1024) scaled to this test
+    b.target_forward(torch.arange(10, 18)[None], torch.arange(8)[None], None)
+    b.target_commit(torch.arange(8))
+    logits, feats = b.target_forward(torch.tensor([[5]]), torch.tensor([[8]]), None)
+    assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 1
+    b.target_commit(torch.arange(1))
+    b.target_forward(torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
+    b.target_commit(torch.tensor([0, 2]))                          # the middle row rejected: a hole
+    assert (b.tcache.rows, b.tcache.length) == (12, 11) and not b.tcache.valid.all()
+    b.target_forward(torch.tensor([[9, 10, 11, 12]]), torch.arange(11, 15)[None], None)   # 12 + 4 keys: holes stay
+    b.target_commit(torch.tensor([0]))
+    assert (b.tcache.rows, b.tcache.length) == (16, 12)
+    b.target_forward(torch.tensor([[13]]), torch.tensor([[12]]), None)         # 16 + 1 keys: compacts first
+    assert b.tcache.rows == b.tcache.length == 12 and b.tcache.valid.all() and b.tcache.pending == 1
 
 
 def test_int8_draft_on_a_float_target_stays_exact(float_engine, models, tmp_path, prompts, capsys):
@@ -338,12 +454,13 @@ def test_int8_draft_on_a_float_target_stays_exact(float_engine, models, tmp_path
         quantize_engine(_copy_engine(e, tmp_path / "dq2"), "int8", progress=False)
 
 
-def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, tmp_path):
-    """An int8 engine's backend turns a one-row target call into two (the padding row never reaches the caller or
+@needs_modelopt
+def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, calibrated, tmp_path):
+    """An FP8 engine's backend turns a one-row target call into two (the padding row never reaches the caller or
     the committed cache), and a partial commit compacts instead of leaving holes, so every token sits at the same
     index of the KV cache whether vanilla decoding or a chain verification computed it."""
-    e = _copy_engine(float_engine, tmp_path / "int8")
-    quantize_engine(e, "int8", progress=False)
+    e = _copy_engine(float_engine, tmp_path / "fp8")
+    quantize_engine(e, "fp8", calibrated[0], progress=False)
     b = OrtBackend(e)
     b.reset(64)
     ids = torch.arange(10, 18)[None]
@@ -424,12 +541,12 @@ def test_fp8_target_rows_do_not_depend_on_the_call(float_engine, calibrated, tmp
 
 
 def test_int8_target_rows_do_not_depend_on_the_call(float_engine, tmp_path, prompts):
-    """Regression (models/tiny int8 engine, accuracy level 4: `eaglex check` 8/12, logits of a token computed
-    alone up to 0.1 away from the same token among others). Rows of calls of two tokens or more agree bit for bit,
-    which is why the runtime pads one-row calls of such an engine (its manifest's `exactness.min_rows`)."""
+    """Regression (models/tiny int8 engine with ONNX Runtime's fused Attention: `eaglex check` 8/12, logits of a
+    token computed alone up to 0.1 away from the same token among others): with the row-independent attention,
+    one token per call and many per call agree bit for bit, logits and KV cache."""
     e = _copy_engine(float_engine, tmp_path / "int8")
     _assert_rows_do_not_depend_on_the_call(e, quantize_engine(e, "int8", progress=False), prompts, atol=0.0,
-                                           chunks=(2, 4, 16))
+                                           chunks=(1, 2, 4, 16))
 
 
 def test_quantize_engine_errors(float_engine, tmp_path, models):
@@ -442,7 +559,7 @@ def test_quantize_engine_errors(float_engine, tmp_path, models):
     with pytest.raises(ModelError, match="not an FP8 checkpoint"):
         quantize_engine(e, "fp8", models["llama"], progress=False)
     with pytest.raises(ModelError, match="not available"):
-        quantize_engine(e, "int4", progress=False)
+        quantize_engine(e, "int2", progress=False)
     assert sorted(p.name for p in e.iterdir()) == before and read_manifest(e).get("quant") is None
     assert main(["build", "--target", str(models["llama"]), "--out", str(tmp_path / "x"), "--quant", "fp8"]) == 2
 
