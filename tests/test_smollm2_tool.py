@@ -1,5 +1,6 @@
-"""tools/smollm2.py's batched self-distillation generator: left padding changes no answer, the preallocated cache
-changes nothing at all, sampling is seeded, and the batches cover every prompt."""
+"""The batched self-distillation generator (training/batchgen.py, as tools/smollm2.py uses it): left padding
+changes no answer, the preallocated cache changes nothing at all, sampling is seeded, and the batches cover every
+prompt."""
 import sys
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import smollm2  # noqa: E402
+
+from eaglex.training.batchgen import answer_batch  # noqa: E402
 
 
 def _model(folder):
@@ -22,21 +25,21 @@ def _prompts():
 
 def test_batched_greedy_equals_one_at_a_time(models):
     model, prompts = _model(models["llama"]), _prompts()
-    tokens, plen = smollm2.answer_batch(model, prompts, [0.0] * 4, 30, 0, torch.Generator())
+    tokens, plen = answer_batch(model, prompts, [0.0] * 4, 30, 0, torch.Generator())
     assert tokens.shape == (4, 30) and plen.tolist() == [len(p) for p in prompts]
     for i, p in enumerate(prompts):
         assert tokens[i, :len(p)].tolist() == p
-        alone, _ = smollm2.answer_batch(model, [p], [0.0], 30, 0, torch.Generator())
+        alone, _ = answer_batch(model, [p], [0.0], 30, 0, torch.Generator())
         assert tokens[i].tolist() == alone[0].tolist()
 
 
 def test_preallocated_cache_and_seeded_sampling(models):
     model, prompts = _model(models["llama"]), _prompts()
     temps = [0.0, 50.0, 0.0, 50.0]                               # the fixture target is very confident
-    runs = [smollm2.answer_batch(model, prompts, temps, 40, 0, torch.Generator().manual_seed(1), prealloc=pre)[0]
+    runs = [answer_batch(model, prompts, temps, 40, 0, torch.Generator().manual_seed(1), prealloc=pre)[0]
             for pre in (True, False, True)]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
-    other = smollm2.answer_batch(model, prompts, temps, 40, 0, torch.Generator().manual_seed(2))[0]
+    other = answer_batch(model, prompts, temps, 40, 0, torch.Generator().manual_seed(2))[0]
     assert torch.equal(other[[0, 2]], runs[0][[0, 2]])          # greedy rows do not depend on the seed
     assert not torch.equal(other[[1, 3]], runs[0][[1, 3]])
 
