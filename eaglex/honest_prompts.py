@@ -109,7 +109,7 @@ PROMPTS: tuple[tuple[str, tuple[dict, ...]], ...] = (
                     _a("A snake plant or a ZZ plant are good choices. Both tolerate low light, need water only "
                        "every two to three weeks, and are hard to kill."),
                     _u("Which of those two is safer if I have a cat?"))),
-    ("multi-turn", (_u("Write a haiku about coffee."),
+    ("multi-turn", (_u("could you do me a little haiku on my morning coffee"),
                     _a("Steam curls from the cup,\nbitter warmth against the dawn,\nthe day opens slow."),
                     _u("Nice. Now make it funny."))),
     ("multi-turn", (_u("How do I reverse a list in Python?"),
@@ -120,7 +120,7 @@ PROMPTS: tuple[tuple[str, tuple[dict, ...]], ...] = (
                     _a("Great choice! April is mild in Lisbon. Would you like suggestions for neighborhoods to "
                        "stay in, things to see, or food to try?"),
                     _u("Things to see, please. I like history and views but hate long queues."))),
-    ("multi-turn", (_u("What is the boiling point of water?"),
+    ("multi-turn", (_u("At what temperature does water start to boil?"),
                     _a("At sea level, water boils at 100 degrees Celsius (212 degrees Fahrenheit)."),
                     _u("Why is it lower on a mountain?"),
                     _a("Because air pressure is lower at altitude, so water molecules need less energy to "
