@@ -54,3 +54,35 @@ def test_jobs_cover_every_prompt():
     assert sorted(i for i, t in rows if t > 0) == [0, 1, 2]
     lens = [len(prompts[i]) for i, _ in rows]
     assert lens == sorted(lens)
+
+
+def test_instruction_stage_adds_self_instruct_prompts_and_caches(models, tmp_path):
+    """The instructions stage: the built-in prompts, then the target's own instructions in its chat template (none
+    longer than the window allows), cached by its key."""
+    import json
+    import shutil
+
+    from test_selfinstruct import LOOSE, _fixture
+
+    from eaglex.training.selfinstruct import SelfInstructConfig
+
+    p = smollm2.Paths(tmp_path)
+    shutil.copytree(models["llama"], p.target)
+    _, tok = _fixture(models)
+    tok.save_pretrained(str(p.target))
+    (p.target / "eaglex_gguf.json").write_text(json.dumps({"sha256": "0" * 64}))
+    p.work.mkdir()
+    (p.work / "builtin_prompts.json").write_text(json.dumps([[1, 2, 3]]))
+    si = SelfInstructConfig(count=6, batch=8, follow_up_fraction=0.5, temperature=4.0, max_instruction_tokens=40,
+                            max_answer_tokens=40, filters=LOOSE, near_duplicate=0.99, max_batches_per_kept=2.0)
+    cfg = smollm2.BuildConfig(self_instruct=si, seq_len=90, min_answer_tokens=20, gen_dtype="float32")
+    stats = smollm2.stage_instructions(p, cfg)
+    train = json.loads((p.work / "train_prompts.json").read_text())
+    assert stats["kept"] == 6 and len(train) == 1 + stats["prompts"] and train[0] == [1, 2, 3]
+    assert stats["prompts"] + stats["too_long"] == 6 + stats["two_turn"]
+    assert all(len(x) <= 70 for x in train)
+    convs = json.loads((p.work / "instructions.json").read_text())
+    assert tok.apply_chat_template(convs[0], add_generation_prompt=True, tokenize=True)["input_ids"] == train[1]
+    assert smollm2.stage_instructions(p, cfg) == stats                # cached
+    off = smollm2.stage_instructions(p, smollm2.BuildConfig(self_instruct=SelfInstructConfig(count=0)))
+    assert off == {"kept": 0} and json.loads((p.work / "train_prompts.json").read_text()) == [[1, 2, 3]]
