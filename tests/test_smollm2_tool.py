@@ -86,3 +86,27 @@ def test_instruction_stage_adds_self_instruct_prompts_and_caches(models, tmp_pat
     assert smollm2.stage_instructions(p, cfg) == stats                # cached
     off = smollm2.stage_instructions(p, smollm2.BuildConfig(self_instruct=SelfInstructConfig(count=0)))
     assert off == {"kept": 0} and json.loads((p.work / "train_prompts.json").read_text()) == [[1, 2, 3]]
+
+
+def test_model_card_shows_the_data_and_both_tau_tables():
+    """The card a finished build writes (and --publish copies): a missing manifest field would crash the build at
+    its very end, after the GPU time is spent."""
+    from dataclasses import asdict
+
+    cfg = smollm2.BuildConfig()
+    m = {"config": asdict(cfg), "target": {"gguf": "M.gguf", "name": "M", "sha256": "ab" * 32},
+         "prompts": {"builtin": 871, "heldout": 16, "honest": 42, "prompt_tokens": [30, 60]},
+         "instructions": {"kept": 300, "two_turn": 70, "sampled": 500, "unfinished": 90, "duplicates": 60,
+                          "rejected": {"short": 10}, "too_long": 5, "prompts": 365, "batches": 8},
+         "selfdistill": {"sequences": 1236, "seq_len": 320, "answer_tokens": 300000, "answers_ended": 900},
+         "eagle3": {"steps": 800, "final_loss": 1.0, "seconds": 10.0},
+         "eagle1": {"steps": 450, "final_loss": 0.5, "seconds": 9.0},
+         "seconds": {"total": 600.0}, "lanes": 2, "device": "cpu",
+         "tau_table": "| tree | τ eagle3 |\n| t1 | 3.00 |", "tau_honest_table": "| tree | τ eagle3 |\n| t1 | 2.00 |",
+         "sample": {"prompt": "p", "answer": "a", "tau": 2.0}}
+    for published in (False, True):
+        card = smollm2.model_card(m, published)
+        assert "| t1 | 3.00 |" in card and "| t1 | 2.00 |" in card and "heldout_honest.jsonl" in card
+        assert "871 built-in chat" in card and "365 instructions the target wrote itself" in card
+    m["instructions"] = {"kept": 0}
+    assert "wrote itself" not in smollm2.model_card(m, True)

@@ -47,8 +47,7 @@ class SelfInstructConfig:
 # ------------------------------------------------------------------------------------------------ templates
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return text if isinstance(text, str) else text[0]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def query_prefix(tokenizer, history: list[dict] = ()) -> str:
