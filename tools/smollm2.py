@@ -117,7 +117,9 @@ PRESETS = {
     # each, where the first GPU recipe had 14 answers to each built-in prompt. Batches of 32 sequences, and the
     # target's forward in every training step instead of a host-memory cache. The step counts fill about 4 minutes
     # of an H200 with both heads training side by side (0.10 / 0.14 s per step).
+    # Its τ report adds dynamic:10/6/3, the tree `make engine` tuned on the CPU host with the previous heads.
     "gpu": BuildConfig(sampled_fraction=0.5, temperature=0.8, gen_batch=1024, seq_len=384,
+                       shapes=("chain:4", "dynamic:8/5/2", "dynamic:10/6/3", "dynamic:16/6/4"),
                        self_instruct=SelfInstructConfig(count=8000, follow_up_fraction=0.25, max_answer_tokens=192,
                                                         batch=1024),
                        eagle3=replace(BuildConfig().eagle3, batch=32, teacher_cache_gb=0.0,
