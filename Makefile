@@ -56,6 +56,9 @@ SMOL_GGUF      = $(shell $(BIN)/python -c "from eaglex.presets import preset_tar
 SMOL_QUANT    ?= int8
 SMOL_CAL      ?= build/smollm2-fp8
 SMOL_PROMPTS  ?= 16
+# The held-out prompts: the built-in set's template split, or SMOL_PROMPT_FILE=$(SMOL)/heldout_honest.jsonl for the
+# hand-written set (SMOL_PROMPTS=0: all 42), whose prompts share no template with training.
+SMOL_PROMPT_FILE ?= $(SMOL)/prompts.jsonl
 SMOL_TOKENS   ?= 128
 SMOL_TREES    ?= auto
 SMOL_OUT      ?= build/bench-smollm2.json
@@ -76,7 +79,7 @@ bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformer
 	$(foreach e,eagle1 $(SMOL_QUANT),$(call smol_engine,$(e)) || exit 1;) true
 	$(BIN)/eaglex bench --target $(SMOL_GGUF) --draft $(SMOL)/eagle3 --no-torch --engine engines/smollm2-135m \
 		--engine engines/smollm2-135m-eagle1 $(SMOL_QUANT:%=--engine engines/smollm2-135m-%) \
-		--prompts $(SMOL)/prompts.jsonl --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
+		--prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
 		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --out $(SMOL_OUT)
 
 BENCH_OUT ?= build/bench.json

@@ -292,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
     trn.add_argument("--data", required=True,
                      help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line, the last 8 held out for τ; or '
-                          'builtin-chat: the built-in chat instructions in the target\'s chat template (chat models)')
+                          'builtin-chat: the built-in chat instructions in the target\'s chat template (chat models); '
+                          'self-instruct:N: N instructions the target writes itself from its chat template (chat '
+                          'models, no dataset needed; resumable), 8 more held out')
     trn.add_argument("--out", type=Path, required=True, help="head folder to write (checkpoints/ inside: resumable)")
     trn.add_argument("--method", choices=("eagle3", "eagle1"), default="eagle3",
                      help="eagle3: training-time test, reduced vocabulary; eagle1: EAGLE-1/2 feature regression")

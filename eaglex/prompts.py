@@ -45,11 +45,21 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
+    """A prompt line's token ids: its "input_ids" as they are, its "messages" (a conversation ending with a user
+    turn) always in the chat template, its "prompt" text in the chat template when `chat`."""
     if "input_ids" in record:
         ids = record["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ModelError(f"{where}: input_ids must be a list of integers")
         return ids
+    if "messages" in record:
+        msgs = record["messages"]
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                        and isinstance(m.get("content"), str) for m in msgs)):
+            raise ModelError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        if not has_chat_template(tokenizer):
+            raise ModelError(f"{where}: a messages line needs a tokenizer with a chat template in the target folder")
+        return chat_ids(tokenizer, msgs)
     if "prompt" in record:
         if not isinstance(record["prompt"], str):
             raise ModelError(f"{where}: prompt must be a string")
@@ -61,7 +71,7 @@ def encode(record: dict, tokenizer, chat: bool, where: str) -> list[int]:
                 raise ModelError(f"{where}: --chat needs a tokenizer with a chat template")
             return chat_ids(tokenizer, [{"role": "user", "content": record["prompt"]}])
         return tokenizer(record["prompt"])["input_ids"]
-    raise ModelError(f"{where}: each line needs a \"prompt\" or an \"input_ids\" field")
+    raise ModelError(f"{where}: each line needs a \"prompt\", \"messages\" or \"input_ids\" field")
 
 
 def read_records(path: str | Path) -> list[tuple[str, dict]]:

@@ -63,3 +63,24 @@ def test_chat_encoding_returns_token_ids(tmp_path):
     assert read_prompts(f, tok, chat=False) == [[4, 5], [4, 5]]
     with pytest.raises(ModelError, match="chat template"):
         encode({"prompt": "hello"}, _chat_tokenizer(template=False), True, "x")
+
+
+def test_honest_prompts_cover_the_categories_and_share_nothing_with_the_built_in_set():
+    """The hand-written held-out set: 32-48 conversations ending with a user turn, every category present, and no
+    user turn near (word 3-gram Jaccard >= 0.5) any built-in instruction, held out or not, nor near another."""
+    from collections import Counter
+
+    from eaglex import chat_prompts, honest_prompts
+    from eaglex.training.textfilter import Deduper
+
+    items = honest_prompts.honest_prompts()
+    assert 32 <= len(items) <= 48
+    cats = Counter(c for c, _ in items)
+    assert set(cats) == {"coding", "code-explain", "explanation", "advice", "writing", "math", "long", "multi-turn",
+                         "non-english"} and min(cats.values()) >= 4
+    assert all(m[-1]["role"] == "user" and [x["role"] for x in m] == ["user", "assistant"] * (len(m) // 2) + ["user"]
+               for _, m in items)
+    assert any(len(m[0]["content"]) > 600 for c, m in items if c == "long")
+    d = Deduper(threshold=0.5)
+    d.reserve(chat_prompts.train_prompts() + chat_prompts.heldout_prompts())
+    assert all(d.add(t) for t in honest_prompts.user_texts())

@@ -1,6 +1,7 @@
 """Package layering, checked on every import statement of the product code (function-local ones included):
 
-    leaves (eaglex.fsio, eaglex.prompts, eaglex.chat_prompts, eaglex.models.errors): import only leaves
+    leaves (eaglex.fsio, eaglex.prompts, eaglex.chat_prompts, eaglex.honest_prompts, eaglex.models.errors): import
+                  only leaves
     models        <- nothing of ours but leaves
     runtime       <- models
     export        <- models
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("models", "runtime", "export", "calibration", "training", "engines", "serving")
-LEAVES = {"eaglex.fsio", "eaglex.prompts", "eaglex.chat_prompts", "eaglex.models.errors"}
+LEAVES = {"eaglex.fsio", "eaglex.prompts", "eaglex.chat_prompts", "eaglex.honest_prompts", "eaglex.models.errors"}
 ALLOWED = {
     "models": {"models"},
     "runtime": {"models", "runtime"},

@@ -56,3 +56,16 @@ def test_committed_heads_are_lossless_and_draft_well(target, head):
     rows = check_greedy(backend, TreeConfig.parse("chain:4"), prompts, 32)
     assert all(r.identical for r in rows)
     assert sum(r.tau for r in rows) / len(rows) > 1.8
+
+
+def test_committed_honest_prompts_are_the_chat_template_of_their_messages(target):
+    from eaglex import honest_prompts
+    from eaglex.prompts import encode, load_tokenizer
+
+    tok = load_tokenizer(target)
+    lines = [json.loads(x) for x in (HEADS / "heldout_honest.jsonl").read_text().splitlines()]
+    items = honest_prompts.honest_prompts()
+    assert len(lines) == len(items)
+    for i, (r, (cat, msgs)) in enumerate(zip(lines, items)):
+        assert r["category"] == cat and r.get("messages", [{"role": "user", "content": r.get("prompt")}]) == msgs
+        assert encode({"messages": msgs}, tok, True, f"line {i}") == r["input_ids"]

