@@ -147,7 +147,10 @@ def test_beyond_slots_and_queue_is_refused_with_503(server, reference):  # noqa:
     stop = False
     with ThreadPoolExecutor(n + 1) as pool:
         watcher = pool.submit(watch)
-        results = list(pool.map(lambda _: post(server, "generate", body), range(n)))
+        # all n clients post at once: started one by one on a loaded host, they trickled in slower than the
+        # server drained them and the queue never filled
+        ready = threading.Barrier(n)
+        results = list(pool.map(lambda _: (ready.wait(), post(server, "generate", body))[1], range(n)))
         stop = True
         watcher.result()
     codes = [s for s, _ in results]
