@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eaglex.fsio import check_out, staged
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import check_out, staged
 
 from . import memory
 from .data import TextWindows, load_windows
@@ -101,8 +101,8 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
     """Quantize, evaluate and export; returns the report (also written to OUT/eaglex_calibration.json).
     `machine` replaces the probe of this machine's free memory (tests); `dataset_loader` replaces
     datasets.load_dataset for --data hf:NAME."""
+    from eaglex.base.prompts import load_tokenizer
     from eaglex.models.target import DTYPES
-    from eaglex.prompts import load_tokenizer
 
     t0 = time.perf_counter()
     if cfg.quant not in QUANTS:

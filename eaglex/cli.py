@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
 TREE_HELP = ("chain:N (N draft tokens in a line), dynamic:TOTAL/DEPTH/TOPK (EAGLE-2: TOTAL nodes verified, DEPTH "
@@ -348,7 +348,7 @@ def sampling_from_args(args):
 
 def prompts_from_args(args, engine) -> tuple[list[list[int]], list[int | None]]:
     """(token ids, per-line seeds) of --prompt / --prompts."""
-    from eaglex.prompts import encode, read_records, record_seed
+    from eaglex.base.prompts import encode, read_records, record_seed
     if getattr(args, "prompt", None) is not None:
         return [encode({"prompt": args.prompt}, engine.tokenizer, args.chat, "--prompt")], [None]
     records = read_records(args.prompts)
@@ -450,7 +450,7 @@ def cmd_engine(args) -> int:
 
 def cmd_bench(args) -> int:
     from eaglex import bench
-    from eaglex.prompts import load_tokenizer, read_prompts
+    from eaglex.base.prompts import load_tokenizer, read_prompts
     from eaglex.runtime.engine import open_engine, open_models
 
     trees = [_tree(t) for t in filter(None, (t.strip() for t in args.trees.split(",")))]

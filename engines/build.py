@@ -25,9 +25,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
-from eaglex.fsio import check_out, staged
+from eaglex.base.fsio import check_out, staged
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)

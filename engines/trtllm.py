@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
-from eaglex.fsio import check_out, staged
+from eaglex.base.fsio import check_out, staged
 from eaglex.runtime.manifest import (FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file,
                                      write_manifest)
 from eaglex.runtime.trtllm import MIN_TRTLLM

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import load_tokenizer
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import load_tokenizer
 
 from .device import device_of
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 from eaglex.runtime.engine import Engine, layout, open_engine
 from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig

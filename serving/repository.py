@@ -14,8 +14,8 @@ import re
 import shutil
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import load_tokenizer
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import load_tokenizer
 
 from .loader import layout
 

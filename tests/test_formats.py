@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import reference_eagle as ref
+from eaglex.base.errors import ModelError
 from eaglex.models.eagle import load_draft
-from eaglex.models.errors import ModelError
 from eaglex.models.target import load_target
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache

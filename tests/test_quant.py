@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
 from eaglex.export import quantize as q
-from eaglex.models.errors import ModelError
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.generate import VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 
 # Demo and check prompts for presets without a prompt file of their own: code openings, which the embedded default
