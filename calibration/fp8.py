@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
 from eaglex.base.fsio import check_out, staged
+from eaglex.base.prompts import TOKENIZER_FILES
 
 from . import memory
 from .data import TextWindows, load_windows
@@ -54,8 +55,6 @@ from .data import TextWindows, load_windows
 QUANTS = ("fp8",)
 KV_CACHE = ("fp8",)
 REPORT = "eaglex_calibration.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 # Reference logits of the evaluation windows are kept in float32 up to this many values, in float16 beyond.
 REF_FLOAT32_LIMIT = 64 * 1024 ** 2
 

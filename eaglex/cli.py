@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
+from eaglex.base.methods import METHODS
 
-METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
 TREE_HELP = ("chain:N (N draft tokens in a line), dynamic:TOTAL/DEPTH/TOPK (EAGLE-2: TOTAL nodes verified, DEPTH "
              "levels, TOPK expanded per level; the official code's 60/7/10 is dynamic:60/8/10), static (EAGLE-1's "
              "mc_sim_7b_63), or auto (measure this machine once and store the fastest in the engine). Default: the "

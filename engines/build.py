@@ -26,15 +26,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
-
 from eaglex.base.fsio import check_out, staged
+from eaglex.base.prompts import TOKENIZER_FILES
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
 DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 TOOLS = ("eaglex", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy")
 
 

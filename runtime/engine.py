@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from eaglex.base.errors import ModelError
-from eaglex.base.prompts import load_tokenizer
+from eaglex.base.methods import METHODS
+from eaglex.base.prompts import has_tokenizer, load_tokenizer
 
 from .device import device_of
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
@@ -30,9 +31,6 @@ from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
 from .manifest import head_method as manifest_head_method
 from .sampling import derive_seed
 from .types import SamplingConfig, TreeConfig
-
-METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass
@@ -246,7 +244,7 @@ def open_models(target: str | Path, draft: str | Path | None = None, *, method: 
     from .torch_backend import TorchBackend
     backend = TorchBackend(target, draft, dtype, draft_kind, resolve_device(device or "cpu"), mode)
     tok_dir = Path(target)
-    if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES) and layout == "checkpoint":
+    if not has_tokenizer(tok_dir) and layout == "checkpoint":
         tok_dir = tok_dir.parent
     return _engine(backend, tok_dir, None, TreeConfig(), method, tree, layout, None)
 
