@@ -30,7 +30,7 @@ test: $(STAMP)   ## run the test suite CI runs (slow extras skipped)
 test-all: $(STAMP)  ## run every test, slow ones included
 	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
-# Without the trained default (models/tiny), MODEL=tiny falls back to a seeded preset built by tests/fixtures.py.
+# Without the trained default (models/tiny), MODEL=tiny falls back to a seeded preset built by models/seeded.py.
 ifeq ($(MODEL)$(wildcard models/tiny/target/config.json),tiny)
 MODEL_DIR ?= build/seeded/target
 DRAFT_DIR ?= build/seeded/eagle3

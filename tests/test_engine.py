@@ -18,7 +18,7 @@ from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.sampling import derive_seed
 from eaglex.runtime.types import SamplingConfig, TreeConfig
 
-from fixtures import write_prompt_file
+from helpers import write_prompt_file
 
 TUNED = TreeConfig.parse("chain:2")
 

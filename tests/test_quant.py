@@ -32,7 +32,7 @@ from eaglex.runtime.ort_session import use_global_pool
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
-from fixtures import write_prompt_file
+from helpers import write_prompt_file
 
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
 needs_modelopt = pytest.mark.skipif(not HAVE_MODELOPT, reason="nvidia-modelopt is not installed "

@@ -20,7 +20,7 @@ from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
 
-from fixtures import write_prompt_file
+from helpers import write_prompt_file
 
 BEST = TreeConfig.parse("chain:2")           # no default uses it: the tree an entry point runs says where it came from
 OTHER = TreeConfig.parse("dynamic:8/4/3")
