@@ -283,10 +283,10 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
         device: str = "cpu", dtype: str = "float32", llamacpp=None, llamacpp_server=None) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
-    every tree (None = the engine's own tree, tuned once if it never was; where tuning chose vanilla, the head's
-    kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the llama.cpp peers with
-    `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server` (a
-    llamacpp_server.ServerPeerConfig). Prints the table, writes the JSON to `out`, returns the rows."""
+    every tree (None = the engine's own tree, measured for this run only if it was never tuned; where tuning chose
+    vanilla, the head's kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the
+    llama.cpp peers with `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server`
+    (a llamacpp_server.ServerPeerConfig). Prints the table, writes the JSON to `out`, returns the rows."""
     from eaglex.engines.tune import tune_engine
 
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -297,7 +297,7 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         own, labels = [], []
         for t in (trees if engine.draft_kind else []):
             if t is None:
-                tune_engine(engine, prompts)
+                tune_engine(engine, prompts, store=False)
                 t = engine.speculative().tree    # the head's tuned tree, also where tuning chose vanilla
             if t is not None and t not in own:
                 own.append(t)

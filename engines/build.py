@@ -82,7 +82,7 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
                    "top_logp": "float32", "attn_mask": "bool", "ids": "int64"},
         "target": target_section, "draft": draft_section,
         "method": default_method(kind),
-        # until `eaglex engine` (or `--tree auto`) measures this machine: a short tree, the CPU's usual best
+        # until `eaglex tune` (or `eaglex engine`) measures this machine: a short tree, the CPU's usual best
         "tree": str(TreeConfig()) if kind else None,
         "graphs": graphs, "files": files, "parity": parity,
         "sources": {k: {"path": str(paths[k]), "sha256": v} for k, v in sources.items()},

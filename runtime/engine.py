@@ -4,7 +4,7 @@ Every entry point (the CLI, the Triton model, the benchmark, the trainers' repor
 an engine runs the same method and tree wherever it is used. Accepted layouts:
 
 - ``engine``: an ONNX Runtime engine folder written by `eaglex build` (manifest.json); its method and `tree` come
-  from the manifest, where tuning (`eaglex engine`, `--tree auto`) stores the shape it measured as fastest; when
+  from the manifest, where tuning (`eaglex tune`, `eaglex engine`) stores the shape it measured as fastest; when
   tuning measured vanilla faster than every tree, the engine runs vanilla unless a method or tree is asked for, and
   keeps the best tree (`Engine.kept_tree`) for that;
 - ``bundle``: a TensorRT-LLM bundle (manifest.json with backend tensorrt-llm), run by runtime/trtllm.py;
