@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.base.prompts import has_chat_template
+from eaglex.base.prompts import has_chat_template, read_prompts
 
 SOURCES = ("auto", "builtin-chat", "builtin")
 HF_PREFIX = "hf:"
@@ -247,7 +247,6 @@ def _hf_dataset(spec: str, tokenizer, dataset_loader=None):
 # ---------------------------------------------------------------------------------------------------- jsonl
 
 def _jsonl(path: Path, tokenizer) -> tuple[list[list[int]], list[list[int]], str]:
-    from eaglex.base.prompts import read_prompts
     docs = read_prompts(path, tokenizer)
     if len(docs) < 2:
         raise ModelError(f"{path} holds {len(docs)} line(s); calibration needs at least 2 (one is held out for "

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
 from eaglex.base.fsio import check_out, staged
-from eaglex.base.prompts import TOKENIZER_FILES
+from eaglex.base.prompts import TOKENIZER_FILES, load_tokenizer
 
 from . import memory
 from .data import TextWindows, load_windows
@@ -100,7 +100,6 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
     """Quantize, evaluate and export; returns the report (also written to OUT/eaglex_calibration.json).
     `machine` replaces the probe of this machine's free memory (tests); `dataset_loader` replaces
     datasets.load_dataset for --data hf:NAME."""
-    from eaglex.base.prompts import load_tokenizer
     from eaglex.models.target import DTYPES
 
     t0 = time.perf_counter()

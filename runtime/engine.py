@@ -25,7 +25,7 @@ from eaglex.base.errors import ModelError
 from eaglex.base.methods import METHODS
 from eaglex.base.prompts import has_tokenizer, load_tokenizer
 
-from .device import device_of
+from .device import device_of, resolve_device
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
 from .manifest import head_method as manifest_head_method
@@ -240,7 +240,6 @@ def open_models(target: str | Path, draft: str | Path | None = None, *, method: 
                 tree: TreeConfig | None = None, dtype: str = "float32", draft_kind: str | None = None,
                 layout: str = "models", device: str | None = None, mode: str | None = None) -> Engine:
     """A target folder (+ EAGLE head folder) on the PyTorch backend, on `device` (default "cpu")."""
-    from .device import resolve_device
     from .torch_backend import TorchBackend
     backend = TorchBackend(target, draft, dtype, draft_kind, resolve_device(device or "cpu"), mode)
     tok_dir = Path(target)

@@ -11,7 +11,8 @@
     the CLI layer (eaglex/*.py) <- everything
 
 and no circle between modules, not even one held open by a function-local import: a local import is for a heavy or
-optional dependency, never for two modules that need each other's names (move the shared names down instead).
+optional dependency, never for two modules that need each other's names (move the shared names down instead); nor a
+function-local import of a module the file already imports at the top, which defers nothing.
 
 A new edge against these rules fails here, naming the file and the import."""
 from __future__ import annotations
@@ -47,11 +48,11 @@ def layer(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "cli"
 
 
-def imports(source: str, module: str) -> list[str]:
-    """Every eaglex name `source` imports, top-level or function-local (relative imports resolved against `module`;
-    `from a.b import c` names a.b and a.b.c, since c may be a module)."""
+def imports(source: str | ast.AST, module: str) -> list[str]:
+    """Every eaglex name `source` (text, or a parsed node) imports, top-level or function-local (relative imports
+    resolved against `module`; `from a.b import c` names a.b and a.b.c, since c may be a module)."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -78,17 +79,34 @@ def violations(files: dict[str, str]) -> list[str]:
     return bad
 
 
+def owner(name: str, files: dict[str, str]) -> str | None:
+    """The module of `files` that `name` (a module, or a name in one) lives in."""
+    while name and name not in files:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def deferred_nothing(files: dict[str, str]) -> list[str]:
+    """One line per function-local import of a module (not a package) the same file imports at the top."""
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    bad = set()
+    for module, source in files.items():
+        tree = ast.parse(source)
+        top = {owner(m, files) for node in tree.body if not isinstance(node, functions + (ast.ClassDef,))
+               for m in imports(node, module)}
+        for fn in (n for n in ast.walk(tree) if isinstance(n, functions)):
+            for o in {owner(m, files) for m in imports(fn, module)}:
+                if o in top and o != module and not any(k.startswith(o + ".") for k in files):
+                    bad.add(f"{module}: {fn.name}() imports {o}, imported at the top already")
+    return sorted(bad)
+
+
 def graph(files: dict[str, str]) -> dict[str, set[str]]:
     """module -> the modules of `files` it imports, top-level and function-local alike (`from m import name` is an
     edge to m; the eaglex package itself, which imports nothing, is left out)."""
-    def owner(name: str) -> str | None:
-        while name and name not in files:
-            name = name.rpartition(".")[0]
-        return name or None
-
     edges = {}
     for module, source in files.items():
-        targets = {owner(m) for m in imports(source, module)}
+        targets = {owner(m, files) for m in imports(source, module)}
         edges[module] = {t for t in targets if t not in (None, "eaglex", module)}
     return edges
 
@@ -138,6 +156,18 @@ def test_product_code_follows_the_layers():
 
 def test_no_import_circles_not_even_lazy_ones():
     assert circles(graph(product_files())) == []
+
+
+def test_no_function_local_import_of_what_the_top_imports():
+    assert deferred_nothing(product_files()) == []
+
+
+def test_a_planted_pointless_local_import_fails():
+    files = product_files()
+    files["eaglex.runtime.generate"] += "\n\ndef _late():\n    from eaglex.base.errors import ModelError\n"
+    files["eaglex.base.fsio"] += "\n\ndef _fine():\n    from eaglex.base import prompts\n"      # not at the top
+    assert deferred_nothing(files) == [
+        "eaglex.runtime.generate: _late() imports eaglex.base.errors, imported at the top already"]
 
 
 def test_a_planted_upward_import_fails():
