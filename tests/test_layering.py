@@ -1,6 +1,6 @@
 """Package layering, checked on every import statement of the product code (function-local ones included):
 
-    base          <- nothing of ours (the error type, safe file writing, prompt files, built-in prompt sets)
+    base          <- nothing of ours (the error type, method names, safe file writing, prompt files, prompt sets)
     models        <- base
     runtime       <- base, models
     export        <- base, models
