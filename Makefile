@@ -30,7 +30,7 @@ test: $(STAMP)   ## run the test suite CI runs (slow extras skipped)
 test-all: $(STAMP)  ## run every test, slow ones included
 	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
-# Without the trained default (models/tiny), MODEL=tiny falls back to a seeded preset built by tests/fixtures.py.
+# Without the trained default (models/tiny), MODEL=tiny falls back to a seeded preset built by models/seeded.py.
 ifeq ($(MODEL)$(wildcard models/tiny/target/config.json),tiny)
 MODEL_DIR ?= build/seeded/target
 DRAFT_DIR ?= build/seeded/eagle3
@@ -48,7 +48,7 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 # lookup) and llama.cpp (llama-cpp-python built from source here, ~6 min once: the GGUF file itself, F32 and Q8_0
 # copies, prompt lookup; built without -march=native: ggml's AMX kernels crash on quantized models here; and
 # llama-server vanilla and with its own EAGLE-3 at its best swept draft settings), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, fp8) and the EAGLE-1/2 head.
-# Engines are built (and tuned by --trees auto) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
+# Engines are built and tuned (eaglex tune, on the bench prompts) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs, slower than float32 (2026-12-04: 35 against 45 tokens/s), so it is out by default.
 # The int8 (and int4: SMOL_QUANT="int8 int4") engines quantize their draft head too: the draft only proposes, so its precision moves τ, never the output.
 SMOL          := models/smollm2-135m
@@ -66,9 +66,10 @@ LLAMACPP      ?= llama-cpp-python==0.3.36
 # llama.cpp's llama-server + llama-quantize, built once from that sdist's source (tools/build_llamacpp.sh, ~15 min
 # on 2 cores): its own EAGLE-3 with the head written by `eaglex export --to llama.cpp`, F32 / Q8_0 / packaged targets
 LLAMACPP_BUILD ?= build/llama.cpp
-smol_engine = [ -d engines/smollm2-135m-$(1) ] || $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
+smol_engine = [ -d engines/smollm2-135m-$(1) ] || { $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
-	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 int4 eagle1,$(1)),--quant-draft)
+	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 int4 eagle1,$(1)),--quant-draft) && \
+	$(BIN)/eaglex tune --engine engines/smollm2-135m-$(1) --prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS); }
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
 	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true
@@ -90,9 +91,10 @@ BENCH_TINY_QUANT ?= int8 fp8
 BENCH_TINY_CAL   ?= build/tiny-fp8
 # The tiny bench runs the first BENCH_TINY_PROMPTS of models/tiny/prompts.jsonl (all 48 take twice the time).
 BENCH_TINY_PROMPTS ?= 24
-bench_tiny_quant = [ -d engines/tiny-$(1) ] || $(BIN)/eaglex build --target models/tiny/target \
+bench_tiny_quant = [ -d engines/tiny-$(1) ] || { $(BIN)/eaglex build --target models/tiny/target \
 	--draft models/tiny/eagle3 --backend onnxruntime --out engines/tiny-$(1) --quant $(1) \
-	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL))
+	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL)) && $(BIN)/eaglex tune --engine engines/tiny-$(1) \
+	--prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS); }
 # A memory-bound target: a seeded 0.5B Llama (H=1536, 16 layers, GQA 24/6, V=32000, fp32 2 GB) and an
 # EAGLE-3 head (Vd=8000) that agrees with it at a known rate (tools/bench_models.py), built once into
 # $(BENCH_BIG)/ and $(BENCH_BIG_ENGINE)/ (delete them, or run the script with --force, to rebuild).
@@ -118,6 +120,7 @@ bench-tiny: $(STAMP)  ## the embedded tiny default with its quantized engines an
 
 bench-big: $(STAMP)  ## the seeded memory-bound 0.5B target ($(BENCH_BIG_OUT))
 	$(BIN)/python tools/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
+	$(BIN)/eaglex tune --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \
 		$(BENCH_BIG_ARGS) --out $(BENCH_BIG_OUT)
 

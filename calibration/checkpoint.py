@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 QUANT_CONFIG = "hf_quant_config.json"
 

@@ -4,7 +4,7 @@ Sources (`--data`):
 - `auto` (the default): `builtin-chat` when the target's tokenizer has a chat template (a chat model), else
   `builtin`. FP8 activation scales are maxima over what the calibration text makes the model compute, so a chat
   model is calibrated on chat-formatted instructions, not on source code.
-- `builtin-chat`: the seeded chat instructions of eaglex.chat_prompts (training part for calibration, held-out part
+- `builtin-chat`: the seeded chat instructions of eaglex.base.chat_prompts (training part for calibration, held-out part
   for the quality report), each formatted with the tokenizer's chat template (user turn + generation prompt); plain
   text when the tokenizer has no template.
 - `builtin`: Python standard-library sources of the running interpreter, the files held out from the embedded
@@ -29,8 +29,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import has_chat_template
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import has_chat_template, read_prompts
 
 SOURCES = ("auto", "builtin-chat", "builtin")
 HF_PREFIX = "hf:"
@@ -143,7 +143,7 @@ def _encode_instruction(tokenizer, text: str) -> list[int]:
 
 
 def _builtin_chat(tokenizer, samples: int, eval_samples: int, seq_len: int):
-    from eaglex import chat_prompts
+    from eaglex.base import chat_prompts
 
     if tokenizer is None:
         raise ModelError("--data builtin-chat is text and needs a tokenizer in the target folder; give --data "
@@ -247,7 +247,6 @@ def _hf_dataset(spec: str, tokenizer, dataset_loader=None):
 # ---------------------------------------------------------------------------------------------------- jsonl
 
 def _jsonl(path: Path, tokenizer) -> tuple[list[list[int]], list[list[int]], str]:
-    from eaglex.prompts import read_prompts
     docs = read_prompts(path, tokenizer)
     if len(docs) < 2:
         raise ModelError(f"{path} holds {len(docs)} line(s); calibration needs at least 2 (one is held out for "

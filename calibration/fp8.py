@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eaglex.fsio import check_out, staged
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import check_out, staged
+from eaglex.base.prompts import TOKENIZER_FILES, load_tokenizer
 
 from . import memory
 from .data import TextWindows, load_windows
@@ -54,8 +55,6 @@ from .data import TextWindows, load_windows
 QUANTS = ("fp8",)
 KV_CACHE = ("fp8",)
 REPORT = "eaglex_calibration.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 # Reference logits of the evaluation windows are kept in float32 up to this many values, in float16 beyond.
 REF_FLOAT32_LIMIT = 64 * 1024 ** 2
 
@@ -102,7 +101,6 @@ def calibrate(target_dir, out_dir, cfg: CalibrateConfig = CalibrateConfig(), dra
     `machine` replaces the probe of this machine's free memory (tests); `dataset_loader` replaces
     datasets.load_dataset for --data hf:NAME."""
     from eaglex.models.target import DTYPES
-    from eaglex.prompts import load_tokenizer
 
     t0 = time.perf_counter()
     if cfg.quant not in QUANTS:

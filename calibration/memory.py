@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

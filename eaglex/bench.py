@@ -26,85 +26,17 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from eaglex.fsio import write_json
+from eaglex.base.fsio import write_json
+from eaglex.bench_row import Row
+from eaglex.llamacpp_peer import run_llamacpp_peers
+from eaglex.llamacpp_server import run_server_peers
 from eaglex.runtime.device import synchronize
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
-
-
-@dataclass
-class Row:
-    engine: str
-    method: str
-    tree: str
-    tokens: int = 0
-    seconds: float = 0.0
-    baseline_seconds: float = 0.0
-    identical: bool = True
-    accept_lengths: list[int] = field(default_factory=list)
-    cycles: int = 0
-    target_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    predicted_speedup: float | None = None
-    # the decode phase (after the prefill; eaglex rows only): what the cost model predicts
-    decode_seconds: float = 0.0
-    baseline_decode_seconds: float = 0.0
-    decode_target_seconds: float = 0.0
-    decode_draft_seconds: float = 0.0
-    requests: int = 0
-    threads: str = ""
-    device: str = ""
-    enforced: bool = True        # False: a mismatch with vanilla is reported, not a failure (see the docstring)
-    note: str = ""
-    tau: float | None = None     # a peer's own count of tokens per target forward (llama-server's timings)
-
-    def add(self, r, baseline) -> None:
-        """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
-        self.requests += 1
-        self.tokens += len(r.output_ids)
-        self.seconds += r.seconds
-        self.baseline_seconds += baseline.seconds
-        self.accept_lengths += r.accept_lengths
-        self.cycles += r.cycles
-        self.target_seconds += r.target_seconds
-        self.draft_seconds += r.draft_seconds
-        self.decode_seconds += r.decode_seconds
-        self.baseline_decode_seconds += baseline.decode_seconds
-        self.decode_target_seconds += r.target_seconds - r.prefill_target_seconds
-        self.decode_draft_seconds += r.draft_seconds - r.prefill_draft_seconds
-
-    def as_dict(self) -> dict:
-        # transformers' and llama.cpp's assisted and prompt-lookup rows report no acceptance: their τ is unknown
-        tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else self.tau if self.tau is not None \
-            else (1.0 if self.method in ("vanilla", "hf greedy", "greedy") else None)
-        hist = {str(k): self.accept_lengths.count(k) for k in sorted(set(self.accept_lengths))}
-        per_cycle = lambda s: round(1e3 * s / self.cycles, 3) if self.cycles else None  # noqa: E731
-        ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
-        if self.decode_seconds:     # per-cycle split of the decode phase: what one cycle costs
-            target, draft, total = self.decode_target_seconds, self.decode_draft_seconds, self.decode_seconds
-        else:
-            target, draft, total = self.target_seconds, self.draft_seconds, self.seconds
-        decode_speedup = ratio(self.baseline_decode_seconds, self.decode_seconds)
-        return {"engine": self.engine, "method": self.method, "tree": self.tree, "threads": self.threads,
-                "device": self.device,
-                "tokens": self.tokens,
-                "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
-                "speedup": ratio(self.baseline_seconds, self.seconds),
-                "decode_tokens_per_s": ratio(self.tokens - self.requests, self.decode_seconds),
-                "decode_speedup": decode_speedup,
-                "identical_to_vanilla": self.identical, "identical_enforced": self.enforced,
-                "tau": None if tau is None else round(tau, 3),
-                "tau_histogram": hist,
-                "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(draft),
-                "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
-                "predicted_speedup": self.predicted_speedup,
-                "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup),
-                **({"note": self.note} if self.note else {})}
 
 
 def machine() -> dict:
@@ -351,10 +283,10 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
         device: str = "cpu", dtype: str = "float32", llamacpp=None, llamacpp_server=None) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
-    every tree (None = the engine's own tree, tuned once if it never was; where tuning chose vanilla, the head's
-    kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the llama.cpp peers with
-    `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server` (a
-    llamacpp_server.ServerPeerConfig). Prints the table, writes the JSON to `out`, returns the rows."""
+    every tree (None = the engine's own tree, measured for this run only if it was never tuned; where tuning chose
+    vanilla, the head's kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the
+    llama.cpp peers with `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server`
+    (a llamacpp_server.ServerPeerConfig). Prints the table, writes the JSON to `out`, returns the rows."""
     from eaglex.engines.tune import tune_engine
 
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -365,7 +297,7 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         own, labels = [], []
         for t in (trees if engine.draft_kind else []):
             if t is None:
-                tune_engine(engine, prompts)
+                tune_engine(engine, prompts, store=False)
                 t = engine.speculative().tree    # the head's tuned tree, also where tuning chose vanilla
             if t is not None and t not in own:
                 own.append(t)
@@ -396,8 +328,6 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
             r.threads = f"torch {policy['torch']}"
             rows.append(r.as_dict())
     if llamacpp is not None or llamacpp_server is not None:
-        from eaglex.llamacpp_peer import run_llamacpp_peers
-        from eaglex.llamacpp_server import run_server_peers
         from eaglex.runtime.ort_session import physical_cores
         _, first = engines[0]
         set_threads(threads, onnxruntime=first.layout == "engine")     # the first engine's policy, for its baseline

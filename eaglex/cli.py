@@ -6,13 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.methods import METHODS
 
-METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
 TREE_HELP = ("chain:N (N draft tokens in a line), dynamic:TOTAL/DEPTH/TOPK (EAGLE-2: TOTAL nodes verified, DEPTH "
              "levels, TOPK expanded per level; the official code's 60/7/10 is dynamic:60/8/10), static (EAGLE-1's "
-             "mc_sim_7b_63), or auto (measure this machine once and store the fastest in the engine). Default: the "
-             "engine's own tree (tuned by `eaglex engine`), dynamic:16/6/4 for model folders")
+             "mc_sim_7b_63), or auto (the engine's tuned tree; one never tuned is measured now, for this run only: "
+             "`eaglex tune` stores it). Default: the engine's own tree (tuned by `eaglex tune` or `eaglex engine`), "
+             "dynamic:16/6/4 for model folders")
 SEED_HELP = ("base seed (>= 0). Line i of --prompts samples from its own stream: the line's \"seed\" field if it has "
              "one, else a stream derived from (--seed, i) with numpy's SeedSequence, so identical lines give "
              "independent samples, runs with different --seed share no stream, and a line's output does not depend "
@@ -93,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--batch", type=int, default=1,
                      help="greedy: also decode the prompts up to N at a time through the in-flight batcher (the "
                           "engine's batch schedule) and compare each with the prompt decoded alone")
+
+    tun = sub.add_parser("tune", help="measure the fastest tree (and batch schedule) on this machine and store it in "
+                                      "an engine folder: what every entry point then runs")
+    tun.add_argument("--engine", type=Path, required=True, help="engine folder (`eaglex build`)")
+    tun.add_argument("--prompts", type=Path, required=True, help="JSONL prompts to measure on (see generate)")
+    tun.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    tun.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
+    tun.add_argument("--force", action="store_true", help="measure again, even if the engine was tuned")
+    tun.add_argument("--threads", type=int, default=0, help="cores to use (0: all physical cores)")
+    tun.add_argument("--device", default="auto", help=DEVICE_HELP)
+    tun.add_argument("--providers", help=PROVIDERS_HELP)
 
     eng = sub.add_parser("engine", help="what `make engine` runs: build a preset's engine, tune, check, demo")
     eng.add_argument("--model", default="smollm2-135m",
@@ -348,7 +360,7 @@ def sampling_from_args(args):
 
 def prompts_from_args(args, engine) -> tuple[list[list[int]], list[int | None]]:
     """(token ids, per-line seeds) of --prompt / --prompts."""
-    from eaglex.prompts import encode, read_records, record_seed
+    from eaglex.base.prompts import encode, read_records, record_seed
     if getattr(args, "prompt", None) is not None:
         return [encode({"prompt": args.prompt}, engine.tokenizer, args.chat, "--prompt")], [None]
     records = read_records(args.prompts)
@@ -357,10 +369,11 @@ def prompts_from_args(args, engine) -> tuple[list[list[int]], list[int | None]]:
 
 
 def resolve_auto(args, engine, prompts) -> None:
-    """--tree auto: the engine's tuned tree, measured now (and stored in an engine folder) if it never was."""
+    """--tree auto: the engine's tuned tree, measured now if it never was; a reading command never writes the
+    engine (`eaglex tune` does)."""
     if args.tree == "auto" and engine.method != "vanilla":
         from eaglex.engines.tune import tune_engine
-        tune_engine(engine, prompts, log=lambda line: print(f"--tree auto: {line}", file=sys.stderr))
+        tune_engine(engine, prompts, log=lambda line: print(f"--tree auto: {line}", file=sys.stderr), store=False)
 
 
 # ------------------------------------------------------------------------------------------------------ commands
@@ -438,6 +451,23 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_tune(args) -> int:
+    from eaglex.base.prompts import read_prompts
+    from eaglex.engines.tune import tune_engine
+    from eaglex.runtime.engine import layout, open_engine
+    from eaglex.runtime.threads import set_threads
+
+    if layout(args.engine) != "engine":
+        raise ModelError(f"{args.engine} is not an engine folder (`eaglex build`): tuning is stored in its manifest")
+    engine = open_engine(args.engine, threads=args.threads or None, device=args.device, providers=args.providers)
+    set_threads(args.threads or None, onnxruntime=True)
+    if engine.draft_kind is None:
+        raise ModelError(f"{args.engine} has no draft head: there is no tree to tune")
+    prompts = read_prompts(args.prompts, engine.tokenizer, args.chat)
+    tune_engine(engine, prompts[: args.num_prompts] if args.num_prompts else prompts, force=args.force)
+    return 0
+
+
 def cmd_engine(args) -> int:
     from eaglex.make_engine import make_engine
     from eaglex.runtime.threads import set_threads
@@ -450,7 +480,7 @@ def cmd_engine(args) -> int:
 
 def cmd_bench(args) -> int:
     from eaglex import bench
-    from eaglex.prompts import load_tokenizer, read_prompts
+    from eaglex.base.prompts import load_tokenizer, read_prompts
     from eaglex.runtime.engine import open_engine, open_models
 
     trees = [_tree(t) for t in filter(None, (t.strip() for t in args.trees.split(",")))]
@@ -680,7 +710,7 @@ def _gguf_targets(args) -> None:
             vars(args).setdefault("gguf_sources", {})[name] = value     # bench --llamacpp auto runs the file itself
 
 
-COMMANDS = {"generate": cmd_generate, "check": cmd_check, "engine": cmd_engine, "bench": cmd_bench,
+COMMANDS = {"generate": cmd_generate, "check": cmd_check, "tune": cmd_tune, "engine": cmd_engine, "bench": cmd_bench,
             "build": cmd_build, "calibrate": cmd_calibrate, "triton": cmd_triton, "train-draft": cmd_train_draft,
             "import": cmd_import, "serve": cmd_serve, "export": cmd_export}
 

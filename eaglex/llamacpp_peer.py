@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.bench import Row
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.bench_row import Row
 from eaglex.models.gguf import MARKER, default_cache_dir, file_sha256, inspect_gguf, is_gguf_path
 
 INSTALL = "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36"

@@ -29,8 +29,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.bench import Row
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.bench_row import Row
 
 BUILD = "tools/build_llamacpp.sh"
 DEFAULT_BIN = Path("build/llama.cpp/bin")

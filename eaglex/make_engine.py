@@ -6,8 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import BUILTIN_PROMPTS, encode, read_records
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import BUILTIN_PROMPTS, encode, read_records
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import check_greedy
 

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 GB = 1e9
 ONNX_EXPORT_RATIO = 1.25      # peak RAM of the float32 ONNX export per byte of float32 weights (40 GB for 8B)
@@ -87,7 +87,7 @@ class Preset:
     hardware: str             # what it needs, said plainly in the README and in errors
     quant: str = "none"
     local: bool = False
-    prompts: str | None = None  # check/demo prompts (a path under the repository); None: eaglex.prompts.BUILTIN_PROMPTS
+    prompts: str | None = None  # check/demo prompts (a path under the repository); None: eaglex.base.prompts.BUILTIN_PROMPTS
     arch: Arch | None = None    # None: the embedded default (its weights are in the repository)
     gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
     gpu_example: str = ""       # a GPU setup that fits, for messages

@@ -25,16 +25,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eaglex.models.errors import ModelError
-
-from eaglex.fsio import check_out, staged
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import check_out, staged
+from eaglex.base.prompts import TOKENIZER_FILES
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
 DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 TOOLS = ("eaglex", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy")
 
 
@@ -84,7 +82,7 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
                    "top_logp": "float32", "attn_mask": "bool", "ids": "int64"},
         "target": target_section, "draft": draft_section,
         "method": default_method(kind),
-        # until `eaglex engine` (or `--tree auto`) measures this machine: a short tree, the CPU's usual best
+        # until `eaglex tune` (or `eaglex engine`) measures this machine: a short tree, the CPU's usual best
         "tree": str(TreeConfig()) if kind else None,
         "graphs": graphs, "files": files, "parity": parity,
         "sources": {k: {"path": str(paths[k]), "sha256": v} for k, v in sources.items()},

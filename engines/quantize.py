@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from eaglex.base.errors import ModelError
 from eaglex.export.row_attention import ROW_INDEPENDENT_KEYS
-from eaglex.models.errors import ModelError
 from eaglex.models.target import causal_mask
 
 from eaglex.runtime.manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest

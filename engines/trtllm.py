@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
-
-from eaglex.fsio import check_out, staged
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import check_out, staged
+from eaglex.base.prompts import TOKENIZER_FILES
 from eaglex.runtime.manifest import (FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file,
                                      write_manifest)
 from eaglex.runtime.trtllm import MIN_TRTLLM
@@ -50,8 +50,6 @@ from . import trtllm_upstream as upstream
 BACKEND = "tensorrt-llm"
 OPTIONS_FILE = "llm_api_options.yaml"
 TARGET, DRAFT = "target", "draft"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 SERVING_DTYPES = ("bfloat16", "float16")
 
 

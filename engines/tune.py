@@ -1,8 +1,9 @@
 """Tuning an engine's tree: measure vanilla and a ladder of chains and trees on this machine (runtime/autotune.py),
-keep the fastest shape whose output matched vanilla, and store it as the manifest's `tree`, so that every entry
-point (generate, check, bench, Triton) runs it from then on. When vanilla measured faster than that tree, the
-engine runs vanilla by default (`tuning.method` "vanilla") and the tree stays stored for an explicit method
-(--method eagle3). `tuning` in the manifest records what was measured."""
+keep the fastest shape whose output matched vanilla, and store it as the manifest's `tree` (`eaglex tune`,
+`eaglex engine`), so that every entry point (generate, check, bench, Triton) runs it from then on. The reading
+commands never store: `--tree auto` on an engine never tuned measures for that run only. When vanilla measured
+faster than that tree, the engine runs vanilla by default (`tuning.method` "vanilla") and the tree stays stored for an
+explicit method (--method eagle3). `tuning` in the manifest records what was measured."""
 from __future__ import annotations
 
 import os
@@ -21,11 +22,12 @@ from eaglex.runtime.manifest import read_manifest, write_manifest
 TUNE_TOKENS = 128
 
 
-def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print) -> None:
+def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print, store: bool = True) -> None:
     """Make `engine` run the measured fastest: its best tree, or vanilla (method "vanilla", the best tree kept as
-    `engine.kept_tree`) when vanilla measured faster than every tree; for an engine folder, also write it to the
-    manifest. An engine tuned before is left as it is unless `force`. Engines that cannot draft (no head, or
-    vanilla asked for explicitly) and TensorRT-LLM bundles are left alone."""
+    `engine.kept_tree`) when vanilla measured faster than every tree; for an engine folder and `store`, also write it
+    to the manifest (without `store`, the reading commands' case, the folder is left as it was). An engine tuned
+    before is left as it is unless `force`. Engines that cannot draft (no head, or vanilla asked for explicitly) and
+    TensorRT-LLM bundles are left alone."""
     if engine.layout == "bundle" or engine.draft_kind is None or (engine.method == "vanilla"
                                                                    and engine.kept_tree is None):
         return
@@ -54,7 +56,10 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
                               "method": engine.method,
                               "tokens_per_s": {str(r.tree or "vanilla"): round(r.tokens_per_s, 2) for r in rows}}
         tune_batching(engine, prompts, manifest, log, write=False)
-        _write(engine, manifest, "tuned tree")
+        if store:
+            _write(engine, manifest, "tuned tree")
+        else:
+            log(f"measured for this run only: `eaglex tune --engine {engine.path} --prompts FILE` stores it")
 
 
 def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, write: bool = True) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eaglex.base.errors import ModelError
 from eaglex.models.eagle import _read_state, config_taps, detect_kind
-from eaglex.models.errors import ModelError
 
 ARCH = "eagle3"
 DTYPES = ("F32", "F16")

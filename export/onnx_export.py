@@ -28,7 +28,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 from .graphs import GraphSpec
 

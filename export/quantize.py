@@ -46,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 from .onnx_export import EXTERNAL_DATA_ABOVE
 from .row_attention import rewrite_attention

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .errors import ModelError
+from eaglex.base.errors import ModelError
 from .target import Target, eagle3_taps, rope
 
 

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import ModelError
+from eaglex.base.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` values converted here: llama.cpp writes Llama and Mistral models as "llama" (Q/K rows

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import ModelError
+from eaglex.base.errors import ModelError
 from .gguf import _one_line, file_sha256, inspect_gguf
 
 ENCODINGS = ("F32", "Q8_0")

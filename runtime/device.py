@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 DEVICE_HELP = ('"auto" (the first visible CUDA GPU, else the CPU), "cpu", "cuda" or "cuda:N"')
 

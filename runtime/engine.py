@@ -4,7 +4,7 @@ Every entry point (the CLI, the Triton model, the benchmark, the trainers' repor
 an engine runs the same method and tree wherever it is used. Accepted layouts:
 
 - ``engine``: an ONNX Runtime engine folder written by `eaglex build` (manifest.json); its method and `tree` come
-  from the manifest, where tuning (`eaglex engine`, `--tree auto`) stores the shape it measured as fastest; when
+  from the manifest, where tuning (`eaglex tune`, `eaglex engine`) stores the shape it measured as fastest; when
   tuning measured vanilla faster than every tree, the engine runs vanilla unless a method or tree is asked for, and
   keeps the best tree (`Engine.kept_tree`) for that;
 - ``bundle``: a TensorRT-LLM bundle (manifest.json with backend tensorrt-llm), run by runtime/trtllm.py;
@@ -21,18 +21,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import load_tokenizer
+from eaglex.base.errors import ModelError
+from eaglex.base.methods import METHODS
+from eaglex.base.prompts import has_tokenizer, load_tokenizer
 
-from .device import device_of
+from .device import device_of, resolve_device
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
 from .manifest import head_method as manifest_head_method
 from .sampling import derive_seed
 from .types import SamplingConfig, TreeConfig
-
-METHODS = ("eagle3", "eagle2", "eagle1", "vanilla")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass
@@ -242,11 +240,10 @@ def open_models(target: str | Path, draft: str | Path | None = None, *, method: 
                 tree: TreeConfig | None = None, dtype: str = "float32", draft_kind: str | None = None,
                 layout: str = "models", device: str | None = None, mode: str | None = None) -> Engine:
     """A target folder (+ EAGLE head folder) on the PyTorch backend, on `device` (default "cpu")."""
-    from .device import resolve_device
     from .torch_backend import TorchBackend
     backend = TorchBackend(target, draft, dtype, draft_kind, resolve_device(device or "cpu"), mode)
     tok_dir = Path(target)
-    if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES) and layout == "checkpoint":
+    if not has_tokenizer(tok_dir) and layout == "checkpoint":
         tok_dir = tok_dir.parent
     return _engine(backend, tok_dir, None, TreeConfig(), method, tree, layout, None)
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 from .backend import Backend
 from .device import to_device

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglex.fsio import sha256_file, write_json
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import sha256_file, write_json
 from eaglex.models.target import TargetSpec
 
 from .types import TreeConfig

@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend

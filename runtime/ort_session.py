@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 _pool_threads: int | None = None
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from eaglex.base.errors import ModelError
 from eaglex.models.eagle import DraftHead, load_draft
-from eaglex.models.errors import ModelError
 from eaglex.models.target import DTYPES, Target, causal_mask, load_target
 
 from .backend import CachedBackend, full_mask

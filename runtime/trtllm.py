@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 from .manifest import read_manifest
 
@@ -162,7 +162,7 @@ class TrtllmEngine:
         self.path, self.method = self.runner.bundle, method or "eagle3"
         self.manifest = self.runner.manifest
         self.draft_kind = "eagle3"
-        from eaglex.prompts import load_tokenizer
+        from eaglex.base.prompts import load_tokenizer
         self.tokenizer = load_tokenizer(self.runner.tokenizer_dir)
 
     def generate(self, prompts, sampling=None, max_new_tokens: int = 128, seeds=None, stop=None, on_tokens=None):

@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglex.fsio import write_json
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import write_json
 
 CONFIG, PID, STATE = "serve.json", "server.pid", "supervisor.json"
 SUPERVISOR_LOG, SERVER_LOG, ADMIN_KEY = "supervisor.log", "tritonserver.log", "admin-key"

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.methods import METHODS
 from eaglex.runtime.engine import Engine, layout, open_engine
 from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
 
-__all__ = ["Engine", "METHODS", "layout", "load"]
+__all__ = ["Engine", "check_method", "layout", "load"]
 
-METHODS = ("default", "vanilla")
+
+def check_method(method: str) -> None:
+    """A deployment's method: "default" (the engine's own) or one of the methods, as `eaglex generate --method`."""
+    if method != "default" and method not in METHODS:
+        raise ModelError(f"method must be default or one of {', '.join(METHODS)}, got {method!r}")
 
 
 def load(path: str | Path, method: str = "default", tree: str | dict | None = None, dtype: str = "float32",
          threads: int = 0) -> Engine:
-    """`method` "vanilla" turns drafting off; `tree` (one spelling: "chain:3", "dynamic:16/6/4", ...) replaces the
-    engine's own tree; `threads` > 0 sizes the backend's thread pool (several instances share the cores)."""
-    if method not in METHODS:
-        raise ModelError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    """`method` "default" runs the engine's own method, another replaces it ("vanilla" turns drafting off); `tree`
+    (one spelling: "chain:3", "dynamic:16/6/4", ...) replaces the engine's own tree;
+    `threads` > 0 sizes the backend's thread pool (several instances share the cores)."""
+    check_method(method)
     if isinstance(tree, dict):          # the per-field parameters of older repositories
         if any(v is not None for v in tree.values()):
             raise ModelError("the model parameters kind/total_tokens/depth/top_k are gone: set the parameter "
@@ -33,5 +38,5 @@ def load(path: str | Path, method: str = "default", tree: str | dict | None = No
     if kind == "bundle":
         raise ModelError(f"{path} is a TensorRT-LLM bundle: serve it with TensorRT-LLM's own Triton backend")
     set_threads(threads or None, onnxruntime=kind == "engine")     # the Triton model is its process's entry point
-    return open_engine(path, method=None if method == "default" else "vanilla", tree=parsed, dtype=dtype,
+    return open_engine(path, method=None if method == "default" else method, tree=parsed, dtype=dtype,
                        threads=threads or None)

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 from .loader import load
 from .request import Limits, RequestError, parse, tokenize

@@ -14,10 +14,10 @@ import re
 import shutil
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import load_tokenizer
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import load_tokenizer
 
-from .loader import layout
+from .loader import check_method, layout
 
 # (name, Triton type, dims without the batch dimension, optional). Names and types as in tensorrtllm_backend's
 # ensemble (random_seed there, seed in its llmapi model: both accepted).
@@ -147,8 +147,7 @@ def write_repository(engine_dir, out_dir, name: str = "eaglex", instances: int =
     if max_batch > 0 and instances != 1:
         raise ModelError(f"in-flight batching serves from one instance (one copy of the weights), got {instances} "
                          "instances: use max batch 0 for one-request instances")
-    if method not in ("default", "vanilla"):
-        raise ModelError(f"method must be default or vanilla, got {method!r}")
+    check_method(method)
     engine = Path(engine_dir).resolve()
     kind = layout(engine)                            # fails early, with the reason, on a folder Triton cannot load
     if chat_template:

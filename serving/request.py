@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import chat_ids, encode
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import chat_ids, encode
 from eaglex.runtime.types import SamplingConfig
 
 # request parameters TensorRT-LLM clients send that need no action: stats are always returned, and the flags asking
@@ -152,7 +152,7 @@ def check_parameters(raw: str | dict | None) -> dict:
 
 def tokenize(tokenizer, text: str | list[dict], chat: bool) -> list[int]:
     """text -> ids; `chat`: as the user's message, wrapped with the tokenizer's chat template and its generation
-    prompt (eaglex.prompts.encode, as `eaglex generate --chat` does). A list of messages is a whole conversation."""
+    prompt (eaglex.base.prompts.encode, as `eaglex generate --chat` does). A list of messages is a whole conversation."""
     if isinstance(text, list):
         return chat_ids(tokenizer, text)
     return [int(i) for i in encode({"prompt": text}, tokenizer, chat, "text_input")]

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaglex.fsio import write_json
+from eaglex.base.fsio import write_json
 
 from .config import ADMIN_KEY, API_KEY_ENV, PID, SERVER_LOG, STATE, ServeConfig, read_json
 from .front import Front

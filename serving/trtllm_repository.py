@@ -23,8 +23,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from eaglex.fsio import check_out, staged
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import check_out, staged
 
 from eaglex.engines import trtllm
 from eaglex.engines import trtllm_upstream as upstream

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures import make_eagle1_head, make_eagle3_head, make_llama_target, make_prompts, make_qwen2_target
+from eaglex.models.seeded import make_eagle1_head, make_eagle3_head, make_llama_target, make_prompts, make_qwen2_target
 
 torch.set_num_threads(1)   # CI has 2 cores; tiny models run faster single-threaded and deterministically
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from eaglex.models.seeded import make_eagle1_head, make_eagle3_head, make_llama_target, make_prompts, make_qwen2_target
+
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_eagle1_head, make_eagle3_head, make_llama_target, make_prompts, make_qwen2_target  # noqa: E402
 from test_exactness import CASES, MAX_NEW  # noqa: E402
 
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator  # noqa: E402

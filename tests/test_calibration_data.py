@@ -1,5 +1,5 @@
 """Calibration text: chat models are calibrated on chat-formatted instructions by default (builtin-chat, from
-eaglex.chat_prompts: training part for the scales, held-out part for the quality report), other models on the
+eaglex.base.chat_prompts: training part for the scales, held-out part for the quality report), other models on the
 held-out stdlib corpus; Hugging Face datasets and JSONL files are read the same way. A small fake tokenizer stands in
 for a real one (its chat template marks turns with ids 1 and 2)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import importlib.util
 
 import pytest
 
-from eaglex import chat_prompts
+from eaglex.base import chat_prompts
+from eaglex.base.errors import ModelError
 from eaglex.calibration import data
-from eaglex.models.errors import ModelError
 
 V = 1000
 

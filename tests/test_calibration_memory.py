@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
+from eaglex.base.errors import ModelError
 from eaglex.calibration import memory
 from eaglex.calibration.memory import GIB, Machine
-from eaglex.models.errors import ModelError
 from eaglex.presets import LLAMA3_70B, PRESETS, Arch, get_preset, memory_table, require_resources, stage_needs
 
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None

@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from eaglex import chat_prompts
+from eaglex.base import chat_prompts
 
 
 def test_split_is_disjoint_and_sized():
@@ -27,7 +27,7 @@ def test_every_category_in_both_halves():
 
 
 def test_deterministic_across_processes():
-    code = "from eaglex import chat_prompts as c; print(hash(tuple(c.train_prompts() + c.heldout_prompts())))"
+    code = "from eaglex.base import chat_prompts as c; print(hash(tuple(c.train_prompts() + c.heldout_prompts())))"
     env = {"PYTHONHASHSEED": "0"}
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**__import__("os").environ, **env}).stdout for _ in range(2)}
@@ -52,8 +52,8 @@ def _chat_tokenizer(template=True):
 
 def test_chat_encoding_returns_token_ids(tmp_path):
     import pytest
-    from eaglex.models.errors import ModelError
-    from eaglex.prompts import encode, read_prompts
+    from eaglex.base.errors import ModelError
+    from eaglex.base.prompts import encode, read_prompts
     tok = _chat_tokenizer()
     ids = encode({"prompt": "write a poem"}, tok, True, "x")
     assert ids == [1, 6, 7, 8, 3, 2] and all(type(i) is int for i in ids)
@@ -70,7 +70,7 @@ def test_honest_prompts_cover_the_categories_and_share_nothing_with_the_built_in
     user turn near (word 3-gram Jaccard >= 0.5) any built-in instruction, held out or not, nor near another."""
     from collections import Counter
 
-    from eaglex import chat_prompts, honest_prompts
+    from eaglex.base import chat_prompts, honest_prompts
     from eaglex.training.textfilter import Deduper
 
     items = honest_prompts.honest_prompts()

@@ -9,8 +9,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
-from eaglex.models.errors import ModelError
 from eaglex.runtime.backend import full_mask
 from eaglex.runtime.device import device_of, host, resolve_device
 from eaglex.runtime.engine import open_models

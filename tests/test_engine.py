@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.serving.loader import load
@@ -17,7 +18,7 @@ from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.sampling import derive_seed
 from eaglex.runtime.types import SamplingConfig, TreeConfig
 
-from fixtures import write_prompt_file
+from helpers import write_prompt_file
 
 TUNED = TreeConfig.parse("chain:2")
 
@@ -68,6 +69,9 @@ def test_triton_loader_runs_the_tuned_tree(tuned):
     assert (engine.method, engine.tree) == ("eagle3", TUNED)
     assert load(tuned, tree="dynamic:8/4/3").tree == TreeConfig.parse("dynamic:8/4/3")    # an explicit override
     assert load(tuned, method="vanilla").tree is None
+    assert load(tuned, method="eagle3").method == "eagle3"          # any method of eaglex.base.methods
+    with pytest.raises(ModelError, match="method must be default or one of eagle3, eagle2, eagle1, vanilla"):
+        load(tuned, method="fast")
 
 
 def test_bench_auto_is_the_tuned_tree(tuned, tmp_path, prompts, capsys):

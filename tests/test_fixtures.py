@@ -1,4 +1,4 @@
-"""Checks on the test fixtures themselves (tests/fixtures.py) and on the reference draft math
+"""Checks on the seeded models themselves (models/seeded.py) and on the reference draft math
 (tests/reference_eagle.py).
 
 Run with ``pytest -s tests/test_fixtures.py`` to see the measured rates.
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-import fixtures as fx
+from eaglex.models import seeded as fx
 import reference_eagle as ref
 
 SEED = 0

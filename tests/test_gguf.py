@@ -10,9 +10,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
+from eaglex.base.errors import ModelError  # noqa: E402
+from eaglex.base.prompts import encode  # noqa: E402
 from eaglex.models import gguf as G  # noqa: E402
-from eaglex.models.errors import ModelError  # noqa: E402
-from eaglex.prompts import encode  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

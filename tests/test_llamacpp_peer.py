@@ -11,9 +11,9 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from eaglex import llamacpp_peer as P  # noqa: E402
+from eaglex.base.errors import ModelError  # noqa: E402
 from eaglex.models import gguf as G  # noqa: E402
 from eaglex.models import gguf_derive as D  # noqa: E402
-from eaglex.models.errors import ModelError  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TOKENS = ["<s>", "</s>", "a", "b"]

@@ -14,9 +14,9 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from eaglex import llamacpp_server as S  # noqa: E402
+from eaglex.base.errors import ModelError  # noqa: E402
 from eaglex.cli import main  # noqa: E402
 from eaglex.export import llamacpp as X  # noqa: E402
-from eaglex.models.errors import ModelError  # noqa: E402
 from eaglex.presets import REPO_ROOT, get_preset, packaged_file  # noqa: E402
 
 HEAD = REPO_ROOT / "models" / "smollm2-135m" / "eagle3"
@@ -187,7 +187,7 @@ def test_find_bin(tmp_path, monkeypatch):
 def test_llama_server_runs_the_exported_head_losslessly(target_gguf, tmp_path):
     """The real llama-server loads the head eaglex wrote, accepts drafts (τ > 1) and, greedy, returns its own
     vanilla tokens; the bench rows say so."""
-    from eaglex.prompts import read_prompts
+    from eaglex.base.prompts import read_prompts
     prompts = read_prompts(HEAD.parent / "prompts.jsonl", None)[-3:]
     cfg = S.ServerPeerConfig(bin_dir=BIN, source=target_gguf, head=HEAD, cache_dir=tmp_path,
                              encodings=(), drafts=S.parse_drafts("4/0"))

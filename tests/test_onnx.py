@@ -13,10 +13,10 @@ import onnx
 import pytest
 import torch
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.runtime.manifest import MANIFEST, read_manifest
-from eaglex.models.errors import ModelError
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
 from eaglex.runtime.torch_backend import TorchBackend
@@ -323,7 +323,7 @@ def test_float32_parity_gets_a_float64_second_opinion(models, tmp_path, monkeypa
     """On deep targets torch's own float32 logits can be the inexact ones; a target that fails against them is judged
     against the same inputs in float64, and fails only if ORT is off from those too."""
     import eaglex.export.parity as parity
-    from eaglex.models.errors import ModelError
+    from eaglex.base.errors import ModelError
     real = parity.reference_cases
 
     def skewed(only_float32):

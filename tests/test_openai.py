@@ -22,8 +22,8 @@ import openai
 import pytest
 from test_triton import CHAT_TEMPLATE, checkpoint, metrics, needs_triton, serve, stop_served  # noqa: F401
 
+from eaglex.base.prompts import chat_ids
 from eaglex.cli import main
-from eaglex.prompts import chat_ids
 from eaglex.serving.processes import group_pids, stop_group, stubs
 from eaglex.serving.repository import write_repository
 

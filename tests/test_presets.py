@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 from eaglex.presets import PRESETS, get_preset, resolve_weights
 
 

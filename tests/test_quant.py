@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
 from eaglex.export import quantize as q
-from eaglex.models.errors import ModelError
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.generate import VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
@@ -32,7 +32,7 @@ from eaglex.runtime.ort_session import use_global_pool
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
-from fixtures import write_prompt_file
+from helpers import write_prompt_file
 
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
 needs_modelopt = pytest.mark.skipif(not HAVE_MODELOPT, reason="nvidia-modelopt is not installed "

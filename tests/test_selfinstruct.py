@@ -154,7 +154,7 @@ def test_query_prefix_from_the_chat_template(template, bos, prefix, end_token):
 
 
 def test_query_prefix_needs_a_template_that_shows_the_message():
-    from eaglex.models.errors import ModelError
+    from eaglex.base.errors import ModelError
     with pytest.raises(ModelError, match="chat template"):
         query_prefix(_tokenizer(None))
     with pytest.raises(ModelError, match="verbatim"):
@@ -240,8 +240,8 @@ def test_train_draft_on_self_instruct_data(models, tmp_path, monkeypatch):
     import functools
     import shutil
 
+    from eaglex.base.errors import ModelError
     from eaglex.cli import main
-    from eaglex.models.errors import ModelError
     from eaglex.runtime.types import TreeConfig
     from eaglex.training import train_draft as td
     from eaglex.training.selfdistill import SelfDistillConfig

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from eaglex.base.errors import ModelError
 from eaglex.presets import REPO_ROOT, get_preset, packaged_file
-from eaglex.models.errors import ModelError
 
 PRESET = get_preset("smollm2-135m")
 HEADS = REPO_ROOT / "models" / "smollm2-135m"
@@ -34,7 +34,7 @@ def target():
 
 
 def test_committed_prompts_are_the_chat_template_of_their_text(target):
-    from eaglex.prompts import encode, load_tokenizer
+    from eaglex.base.prompts import encode, load_tokenizer
 
     tok = load_tokenizer(target)
     lines = [json.loads(x) for x in (HEADS / "prompts.jsonl").read_text().splitlines()]
@@ -45,7 +45,7 @@ def test_committed_prompts_are_the_chat_template_of_their_text(target):
 
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])
 def test_committed_heads_are_lossless_and_draft_well(target, head):
-    from eaglex.prompts import read_prompts
+    from eaglex.base.prompts import read_prompts
     from eaglex.runtime.equivalence import check_greedy
     from eaglex.runtime.torch_backend import TorchBackend
     from eaglex.runtime.types import TreeConfig
@@ -59,8 +59,8 @@ def test_committed_heads_are_lossless_and_draft_well(target, head):
 
 
 def test_committed_honest_prompts_are_the_chat_template_of_their_messages(target):
-    from eaglex import honest_prompts
-    from eaglex.prompts import encode, load_tokenizer
+    from eaglex.base import honest_prompts
+    from eaglex.base.prompts import encode, load_tokenizer
 
     tok = load_tokenizer(target)
     lines = [json.loads(x) for x in (HEADS / "heldout_honest.jsonl").read_text().splitlines()]

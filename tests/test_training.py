@@ -258,7 +258,7 @@ def test_train_draft_end_to_end(models, tmp_path, monkeypatch):
 @pytest.mark.skipif(not (TINY / "target" / "config.json").is_file(), reason="models/tiny not built (make tiny)")
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])
 def test_committed_default_is_lossless(head):
-    from eaglex.prompts import read_prompts
+    from eaglex.base.prompts import read_prompts
     from eaglex.runtime.equivalence import check_greedy
     from eaglex.runtime.torch_backend import TorchBackend
 
@@ -286,8 +286,8 @@ def test_train_draft_builtin_chat_prompts_hold_out_the_last_ones():
     on) as the τ prompts; a target without a chat template is refused in one line."""
     from test_calibration_data import FakeTokenizer
 
-    from eaglex import chat_prompts
-    from eaglex.models.errors import ModelError
+    from eaglex.base import chat_prompts
+    from eaglex.base.errors import ModelError
     from eaglex.training.train_draft import builtin_chat
 
     tok = FakeTokenizer()

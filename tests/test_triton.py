@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
-from eaglex.models.errors import ModelError
 from eaglex.serving import control, processes, tritonserver
 from eaglex.serving.config import ServeConfig
 from eaglex.serving.repository import write_repository

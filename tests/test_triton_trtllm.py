@@ -10,7 +10,7 @@ import yaml
 from eaglex.engines import trtllm
 from eaglex.serving.trtllm_repository import (README, llmapi_problems, validate_llmapi_repository,
                                           write_llmapi_repository)
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 
 @pytest.fixture(scope="module")

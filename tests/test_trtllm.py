@@ -18,10 +18,10 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines import trtllm
 from eaglex.runtime.manifest import MANIFEST
-from eaglex.models.errors import ModelError
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -17,10 +17,10 @@ from eaglex.runtime.autotune import TuneRow
 from eaglex.runtime.batch import Schedule
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
-from eaglex.runtime.manifest import read_manifest, write_manifest
+from eaglex.runtime.manifest import MANIFEST, read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
 
-from fixtures import write_prompt_file
+from helpers import write_prompt_file
 
 BEST = TreeConfig.parse("chain:2")           # no default uses it: the tree an entry point runs says where it came from
 OTHER = TreeConfig.parse("dynamic:8/4/3")
@@ -165,6 +165,41 @@ def test_bench_shows_vanilla_and_the_kept_tree(vanilla_tuned, tmp_path, prompts)
                  "--trees", "auto", "--max-new-tokens", "4", "--out", str(tmp_path / "b.json")]) == 0
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [(r["method"], r["tree"]) for r in rows] == [("vanilla", "-"), ("eagle3", "chain:2 (tuned: vanilla faster)")]
+
+
+def test_reading_commands_never_write_the_engine(fresh, measured, trees_run, tmp_path, prompts, capsys):
+    """--tree auto (and bench's auto) on an engine never tuned: measured for this run only, and says how to store it."""
+    measured(10.0, 20.0)
+    before = (fresh / MANIFEST).read_bytes()
+    f = write_prompt_file(tmp_path, prompts, 2)
+    assert main(["check", "--engine", str(fresh), "--prompts", str(f), "--tree", "auto", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert set(trees_run) == {BEST} and "eagle3, tree chain:2" in out.out
+    assert f"--tree auto: measured for this run only: `eaglex tune --engine {fresh} --prompts FILE`" in out.err
+    assert main(["bench", "--engine", str(fresh), "--prompts", str(f), "--trees", "auto", "--max-new-tokens", "4",
+                 "--out", str(tmp_path / "b.json")]) == 0
+    assert [r["tree"] for r in json.loads((tmp_path / "b.json").read_text())["rows"]] == ["-", "chain:2 (tuned)"]
+    assert (fresh / MANIFEST).read_bytes() == before
+
+
+def test_eaglex_tune_stores_the_decision(fresh, measured, tmp_path, prompts, capsys):
+    f = write_prompt_file(tmp_path, prompts, 2)
+    measured(20.0, 10.0)
+    assert main(["tune", "--engine", str(fresh), "--prompts", str(f)]) == 0
+    assert read_manifest(fresh)["tuning"]["method"] == "vanilla" and read_manifest(fresh)["tree"] == "chain:2"
+    assert open_engine(fresh).method == "vanilla"
+    capsys.readouterr()
+    assert main(["tune", "--engine", str(fresh), "--prompts", str(f)]) == 0      # tuned before: says so, no change
+    assert capsys.readouterr().out.startswith("vanilla (tuned on ")
+    measured(10.0, 20.0)
+    assert main(["tune", "--engine", str(fresh), "--prompts", str(f), "--force"]) == 0
+    assert read_manifest(fresh)["tuning"]["method"] == "eagle3" and open_engine(fresh).tree == BEST
+
+
+def test_eaglex_tune_refuses_what_it_cannot_store_in(models, tmp_path, prompts, capsys):
+    f = write_prompt_file(tmp_path, prompts, 2)
+    assert main(["tune", "--engine", str(models["llama"]), "--prompts", str(f)]) == 2
+    assert "is not an engine folder" in capsys.readouterr().err
 
 
 def test_engine_demo_says_tuning_chose_vanilla(vanilla_tuned, prompts, capsys):

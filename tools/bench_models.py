@@ -1,7 +1,7 @@
 """The benchmark's big target: a seeded ~0.5B Llama whose one-token forward is memory-bound on a CPU, with an
 EAGLE-3 head built to agree with it at a measured rate (`make bench`).
 
-Same construction as tests/fixtures.py, changed where it does not scale:
+Same construction as models/seeded.py, changed where it does not scale:
 
 - Vocabulary V=32000 > H=1536, so the embedding rows cannot be orthogonal. They are random Gaussian rows of norm
   sqrt(H): nearly orthogonal (|cos| ~ 1/sqrt(H) = 0.026), which is all the argmax needs.
@@ -66,7 +66,7 @@ def _norm_weight(g, n, jitter):
 
 
 def _attn_mlp(g, s):
-    """One decoder layer: anti-self GQA attention (fixtures._attn_mlp_weights), o_proj/down_proj scaled by eps."""
+    """One decoder layer: anti-self GQA attention (seeded._attn_mlp_weights), o_proj/down_proj scaled by eps."""
     H, nh, nkv, hd, I = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["intermediate"]
     qk = s["qk_gain"] / math.sqrt(H)
     q = _randn(g, nh * hd, H, std=qk)

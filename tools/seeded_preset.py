@@ -1,15 +1,14 @@
 """The seeded stand-in for the embedded default: `make engine` uses it only when models/tiny is absent (a checkout
-without the trained default). Writes a target and an EAGLE-3 head built by tests/fixtures.py into OUT.
+without the trained default). Writes a target and an EAGLE-3 head built by eaglex.models.seeded into OUT.
 
-Run: .venv/bin/python tests/seeded_preset.py OUT
+Run: .venv/bin/python tools/seeded_preset.py OUT
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fixtures import make_eagle3_head, make_llama_target  # noqa: E402
+from eaglex.models.seeded import make_eagle3_head, make_llama_target
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

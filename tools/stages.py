@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from eaglex.fsio import write_text
+from eaglex.base.fsio import write_text
 
 
 def cached(key_file: Path, key: dict) -> bool:

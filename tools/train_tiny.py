@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from eaglex.fsio import write_text
+from eaglex.base.fsio import write_text
 from eaglex.training import corpus, data, loop, tokenizer
 from eaglex.training.draft_lm import DraftLMConfig, save_draft_lm, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
@@ -380,7 +380,7 @@ def _tail(losses: list[float], n: int = 20) -> float:
 
 def _sample(target_dir: Path, prompt: list[int], n: int) -> str:
     """The greedy continuation of `prompt`, decoded, as `eaglex generate` prints it."""
-    from eaglex.prompts import load_tokenizer
+    from eaglex.base.prompts import load_tokenizer
     from eaglex.runtime.generate import VanillaGenerator
     from eaglex.runtime.torch_backend import TorchBackend
 

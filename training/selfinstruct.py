@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from eaglex.models.errors import ModelError
-from eaglex.prompts import encode
+from eaglex.base.errors import ModelError
+from eaglex.base.prompts import encode
 
 from .batchgen import cut_at_stop, decode_batch
 from .textfilter import Deduper, FilterConfig, rejection
@@ -242,7 +242,7 @@ def _follow_ups(model, tokenizer, cfg, kept, st, dedup, tally, stops, pad, progr
 
 
 def encode_conversations(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
-    """Each conversation in the chat template, ready for the assistant's answer (as eaglex.prompts encodes a
+    """Each conversation in the chat template, ready for the assistant's answer (as eaglex.base.prompts encodes a
     prompt line)."""
     return [encode({"messages": c}, tokenizer, True, f"self-instruct conversation {i}")
             for i, c in enumerate(conversations)]

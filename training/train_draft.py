@@ -2,7 +2,7 @@
 
 1. The last `eval_prompts` prompts are held out for the τ report; the others are cut to their last `prompt_tokens`
    tokens and continued by the target itself (selfdistill.py). `builtin-chat` instead of a file: the built-in chat
-   instructions (eaglex.chat_prompts) through the target's chat template, held out from the instructions training
+   instructions (eaglex.base.chat_prompts) through the target's chat template, held out from the instructions training
    never sees.
 2. The head trains on those sequences (EAGLE-3 with training-time test, or EAGLE-1/2).
 3. It is saved in the official layout, loaded back through models.eagle.load_draft, and its τ is measured on the
@@ -32,9 +32,9 @@ SELF_INSTRUCT = "self-instruct:"
 
 def builtin_chat(tokenizer, eval_prompts: int) -> list[list[int]]:
     """The built-in training instructions, then `eval_prompts` held-out ones, in the tokenizer's chat template."""
-    from eaglex import chat_prompts
-    from eaglex.models.errors import ModelError
-    from eaglex.prompts import encode, has_chat_template
+    from eaglex.base import chat_prompts
+    from eaglex.base.errors import ModelError
+    from eaglex.base.prompts import encode, has_chat_template
 
     if tokenizer is None or not has_chat_template(tokenizer):
         raise ModelError(f"--data {BUILTIN_CHAT} needs a tokenizer with a chat template in the target folder; "
@@ -45,7 +45,7 @@ def builtin_chat(tokenizer, eval_prompts: int) -> list[list[int]]:
 
 def self_instruct_count(data: str) -> int | None:
     """N of a `self-instruct:N` data spelling, None for anything else; a ModelError for a bad N."""
-    from eaglex.models.errors import ModelError
+    from eaglex.base.errors import ModelError
 
     if not data.startswith(SELF_INSTRUCT):
         return None
@@ -60,9 +60,9 @@ def self_instruct_prompts(hf_model, tokenizer, n: int, eval_prompts: int, folder
     """`n` self-instruct first turns and their two-turn conversations for training, then `eval_prompts` more
     first turns (none of them continued into a two-turn conversation) to hold out; resumable from
     folder/self_instruct.jsonl."""
-    from eaglex.fsio import write_text
-    from eaglex.models.errors import ModelError
-    from eaglex.prompts import has_chat_template
+    from eaglex.base.errors import ModelError
+    from eaglex.base.fsio import write_text
+    from eaglex.base.prompts import has_chat_template
 
     if not has_chat_template(tokenizer):
         raise ModelError(f"--data {SELF_INSTRUCT}N needs a tokenizer with a chat template in the target folder")
@@ -96,9 +96,9 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
                 cfg: TrainDraftConfig = TrainDraftConfig(), threads: int | None = None, device: str = "cpu") -> dict:
     """Returns the report written to OUT/train_report.json. Generation, training and the τ report run on
     `device` (the target in float32 there; training under bfloat16 autocast)."""
-    from eaglex.models.errors import ModelError
+    from eaglex.base.errors import ModelError
+    from eaglex.base.prompts import load_tokenizer, read_prompts
     from eaglex.models.target import load_target
-    from eaglex.prompts import load_tokenizer, read_prompts
 
     if cfg.method not in ("eagle3", "eagle1"):
         raise ModelError(f"--method must be eagle3 or eagle1, got {cfg.method!r}")

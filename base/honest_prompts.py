@@ -1,7 +1,7 @@
 """A held-out set of chat prompts written by hand, one by one, as users write them: for measuring acceptance (τ)
 on requests that share no template with any training instruction.
 
-The built-in set (eaglex.chat_prompts) fills a few dozen templates with a few dozen topics, so its held-out split
+The built-in set (eaglex.base.chat_prompts) fills a few dozen templates with a few dozen topics, so its held-out split
 still shares templates with training. These prompts come from no template and from no generator; they mix lengths
 (one line to several paragraphs), carry code to explain, continue conversations, and include other languages.
 Training data generators must exclude them (and anything near them). Each entry is (category, messages): a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 
 # Demo and check prompts for presets without a prompt file of their own: code openings, which the embedded default
@@ -22,12 +22,19 @@ BUILTIN_PROMPTS = (
 )
 
 
+# The files of a Hugging Face tokenizer, copied with a model wherever it goes (engines, bundles, checkpoints). A folder
+# holds a tokenizer when it has one of the first three; the others only accompany them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES[:3])
+
+
 def load_tokenizer(folder: str | Path | None):
     """The folder's Hugging Face tokenizer, or None when it has none."""
-    if folder is None:
-        return None
-    folder = Path(folder)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if folder is None or not has_tokenizer(folder):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)

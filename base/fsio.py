@@ -2,7 +2,7 @@
 
 Everything eaglex writes (engines, bundles, calibrated checkpoints) is built in a hidden sibling folder and renamed
 into place at the end, so a crash never leaves a folder that looks complete, and an existing result is replaced only
-when asked and only if it is one of ours. A shared leaf: it imports nothing of eaglex but the error type."""
+when asked and only if it is one of ours."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from eaglex.models.errors import ModelError
+from eaglex.base.errors import ModelError
 
 
 def check_out(out: Path, force: bool, marker: tuple[str, ...], what: str) -> None:

@@ -1,4 +1,6 @@
-"""Seeded, deterministic builders of small test models, written to disk in the layouts eaglex must load unchanged.
+"""Seeded, deterministic builders of small models, written to disk in the layouts eaglex must load unchanged: the
+tests' models, and the stand-in preset `make engine MODEL=tiny` builds without the trained default
+(tools/seeded_preset.py).
 
 Nothing here trains or downloads anything. Every builder takes a seed, uses its own ``torch.Generator`` (the global
 RNG is left as it was) and writes float32 weights; the same arguments give byte-identical tensors.
@@ -600,10 +602,3 @@ def make_eagle1_head(target_dir, out_dir, fmt: str = "bin", seed: int = 0, qkv_b
     _write_json(out / "config.json", cfg)
     _save_state_dict(sd, out, fmt)
     return out
-
-
-def write_prompt_file(tmp_path: Path, prompts: list[list[int]], n: int) -> Path:
-    """The first `n` prompts as an `--prompts` JSONL file ({"input_ids": [...]} per line) in tmp_path."""
-    f = Path(tmp_path) / "prompts.jsonl"
-    f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:n]))
-    return f

@@ -1,0 +1,76 @@
+"""One row of `eaglex bench`'s table: what one engine, method and tree measured over the prompts, and its JSON form.
+The peers (eaglex/llamacpp_peer.py, eaglex/llamacpp_server.py) report in the same rows."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    engine: str
+    method: str
+    tree: str
+    tokens: int = 0
+    seconds: float = 0.0
+    baseline_seconds: float = 0.0
+    identical: bool = True
+    accept_lengths: list[int] = field(default_factory=list)
+    cycles: int = 0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    predicted_speedup: float | None = None
+    # the decode phase (after the prefill; eaglex rows only): what the cost model predicts
+    decode_seconds: float = 0.0
+    baseline_decode_seconds: float = 0.0
+    decode_target_seconds: float = 0.0
+    decode_draft_seconds: float = 0.0
+    requests: int = 0
+    threads: str = ""
+    device: str = ""
+    enforced: bool = True        # False: a mismatch with vanilla is reported, not a failure (see the docstring)
+    note: str = ""
+    tau: float | None = None     # a peer's own count of tokens per target forward (llama-server's timings)
+
+    def add(self, r, baseline) -> None:
+        """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
+        self.requests += 1
+        self.tokens += len(r.output_ids)
+        self.seconds += r.seconds
+        self.baseline_seconds += baseline.seconds
+        self.accept_lengths += r.accept_lengths
+        self.cycles += r.cycles
+        self.target_seconds += r.target_seconds
+        self.draft_seconds += r.draft_seconds
+        self.decode_seconds += r.decode_seconds
+        self.baseline_decode_seconds += baseline.decode_seconds
+        self.decode_target_seconds += r.target_seconds - r.prefill_target_seconds
+        self.decode_draft_seconds += r.draft_seconds - r.prefill_draft_seconds
+
+    def as_dict(self) -> dict:
+        # transformers' and llama.cpp's assisted and prompt-lookup rows report no acceptance: their τ is unknown
+        tau = statistics.fmean(self.accept_lengths) if self.accept_lengths else self.tau if self.tau is not None \
+            else (1.0 if self.method in ("vanilla", "hf greedy", "greedy") else None)
+        hist = {str(k): self.accept_lengths.count(k) for k in sorted(set(self.accept_lengths))}
+        per_cycle = lambda s: round(1e3 * s / self.cycles, 3) if self.cycles else None  # noqa: E731
+        ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
+        if self.decode_seconds:     # per-cycle split of the decode phase: what one cycle costs
+            target, draft, total = self.decode_target_seconds, self.decode_draft_seconds, self.decode_seconds
+        else:
+            target, draft, total = self.target_seconds, self.draft_seconds, self.seconds
+        decode_speedup = ratio(self.baseline_decode_seconds, self.decode_seconds)
+        return {"engine": self.engine, "method": self.method, "tree": self.tree, "threads": self.threads,
+                "device": self.device,
+                "tokens": self.tokens,
+                "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
+                "speedup": ratio(self.baseline_seconds, self.seconds),
+                "decode_tokens_per_s": ratio(self.tokens - self.requests, self.decode_seconds),
+                "decode_speedup": decode_speedup,
+                "identical_to_vanilla": self.identical, "identical_enforced": self.enforced,
+                "tau": None if tau is None else round(tau, 3),
+                "tau_histogram": hist,
+                "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(draft),
+                "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
+                "predicted_speedup": self.predicted_speedup,
+                "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup),
+                **({"note": self.note} if self.note else {})}
