@@ -32,9 +32,22 @@ chat template (longer than ours, which are token ids without a template), its re
 conversion, its throughput divides by its whole benchmark window, and it runs one pass per row (ours: the median of
 --repeats).
 
+With --chaos (needs --aiperf; `make bench-serve` runs it last, --chaos-only runs nothing else), the EAGLE-batched
+deployment is hurt under load, twice: an AIPerf run (streamed chat, --chaos-concurrency 16, request timeout
+--chaos-deadline) with our client's greedy streams alongside (--chaos-clients, each output compared token by token
+with vanilla decoding); once AIPerf's requests are in the server (its batch gauges show more than ours) and
+--chaos-delay seconds more, `kill -9` of tritonserver (the supervisor restarts it), then in a second run of the
+model's Python stub (the supervisor reloads the model). The goal: every request completes exactly or fails with a
+clean 5xx / error event, none hangs (longer than the deadline), and a short greedy probe, sent one at a time from the
+kill on, is served exactly within 30 s. Per run the JSON (`chaos`) keeps AIPerf's completed / errored / hung requests
+and its distinct errors (read from its per-request export, profile_export.jsonl, in --chaos-dir), whether and how
+AIPerf exited, our client's outcomes, the recovery seconds and the supervisor's restarts, reloads and events; a
+table is printed, and a hang, a wrong or unclean answer, a recovery over 30 s or an AIPerf that does not exit makes
+the exit status 1.
+
     python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
         [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
-        [--plot build/bench_serve.png]
+        [--plot build/bench_serve.png] [--aiperf build/aiperf-venv/bin/aiperf [--chaos | --chaos-only]]
 """
 from __future__ import annotations
 
