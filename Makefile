@@ -169,10 +169,13 @@ serve-status:    ## is the server that `make serve` started ready? (restarts, re
 # Load benchmark of the deployment (tools/bench_serve.py): vanilla batched, EAGLE batched and one request at a time,
 # closed-loop clients on loopback at each concurrency, a fixed request count per row; its own servers on free ports.
 # Each row is measured by our client (Triton's generate API) and by NVIDIA's AIPerf (the OpenAI API), installed
-# once in $(AIPERF_VENV): its dependencies clash with ours. BENCH_SERVE_AIPERF= leaves AIPerf out.
+# once in $(AIPERF_VENV): its dependencies clash with ours. BENCH_SERVE_AIPERF= leaves AIPerf out. Last, the chaos
+# phase (with AIPerf; BENCH_SERVE_CHAOS= leaves it out): kill -9 of tritonserver, then of the model's stub, during
+# AIPerf runs on the EAGLE-batched deployment; a hang, a wrong answer or recovery over 30 s fails the target.
 BENCH_SERVE_CONCURRENCY ?= 1,2,4,8,16,32
 BENCH_SERVE_ARGS ?=
 BENCH_SERVE_AIPERF ?= 1
+BENCH_SERVE_CHAOS ?= 1
 AIPERF_VENV ?= build/aiperf-venv
 AIPERF      ?= aiperf==0.13.0
 .PHONY: bench-serve
@@ -182,5 +185,5 @@ $(AIPERF_VENV)/bin/aiperf:
 
 bench-serve: serve-check-engine $(STAMP) $(if $(BENCH_SERVE_AIPERF),$(AIPERF_VENV)/bin/aiperf)  ## load benchmark of the deployment, our client and AIPerf: build/bench_serve.json + .png
 	$(BIN)/python tools/bench_serve.py --engine $(ENGINE) --concurrency $(BENCH_SERVE_CONCURRENCY) \
-		$(if $(BENCH_SERVE_AIPERF),--aiperf $(AIPERF_VENV)/bin/aiperf) \
+		$(if $(BENCH_SERVE_AIPERF),--aiperf $(AIPERF_VENV)/bin/aiperf $(if $(BENCH_SERVE_CHAOS),--chaos)) \
 		--out build/bench_serve.json --plot build/bench_serve.png $(BENCH_SERVE_ARGS)

@@ -32,9 +32,22 @@ chat template (longer than ours, which are token ids without a template), its re
 conversion, its throughput divides by its whole benchmark window, and it runs one pass per row (ours: the median of
 --repeats).
 
+With --chaos (needs --aiperf; `make bench-serve` runs it last, --chaos-only runs nothing else), the EAGLE-batched
+deployment is hurt under load, twice: an AIPerf run (streamed chat, --chaos-concurrency 16, request timeout
+--chaos-deadline) with our client's greedy streams alongside (--chaos-clients, each output compared token by token
+with vanilla decoding); once AIPerf's requests are in the server (its batch gauges show more than ours) and
+--chaos-delay seconds more, `kill -9` of tritonserver (the supervisor restarts it), then in a second run of the
+model's Python stub (the supervisor reloads the model). The goal: every request completes exactly or fails with a
+clean 5xx / error event, none hangs (longer than the deadline), and a short greedy probe, sent one at a time from the
+kill on, is served exactly within 30 s. Per run the JSON (`chaos`) keeps AIPerf's completed / errored / hung requests
+and its distinct errors (read from its per-request export, profile_export.jsonl, in --chaos-dir), whether and how
+AIPerf exited, our client's outcomes, the recovery seconds and the supervisor's restarts, reloads and events; a
+table is printed, and a hang, a wrong or unclean answer, a recovery over 30 s or an AIPerf that does not exit makes
+the exit status 1.
+
     python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
         [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
-        [--plot build/bench_serve.png]
+        [--plot build/bench_serve.png] [--aiperf build/aiperf-venv/bin/aiperf [--chaos | --chaos-only]]
 """
 from __future__ import annotations
 
@@ -42,7 +55,9 @@ import argparse
 import http.client
 import itertools
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,6 +74,7 @@ from eaglex.runtime.engine import open_engine
 from eaglex.runtime.manifest import MANIFEST, read_manifest
 from eaglex.serving import control
 from eaglex.serving.config import ServeConfig
+from eaglex.serving.processes import stubs
 from eaglex.serving.repository import write_repository
 
 TEXTS = ["The quick brown fox", "Once upon a time there was a", "In the beginning", "Write a story about a cat",
@@ -77,13 +93,17 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def stream_request(port: int, model: str, body: dict, timeout: float = 300, hang_up: bool = False) -> dict:
     """One generate_stream request through the front -> times, tokens, stats or error. `hang_up`: close the
-    connection after the first tokens arrive, as a client that goes away (the server must cancel the request)."""
+    connection after the first tokens arrive, as a client that goes away (the server must cancel the request).
+    How it ended: `status` (the HTTP status; None when no answer came), `finish` (the final event's finish_reason),
+    `error_event` (an error event ended the stream), `timed_out` (no byte for `timeout` seconds)."""
     body = json.dumps({**body, "stream": True}).encode()
-    out = {"ids": [], "t0": time.perf_counter(), "first": None, "end": None, "error": None, "cycles": 0}
+    out = {"ids": [], "t0": time.perf_counter(), "first": None, "end": None, "error": None, "cycles": 0,
+           "status": None, "finish": None, "error_event": False, "timed_out": False}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", f"/v2/models/{model}/generate_stream", body, {"Content-Type": "application/json"})
         r = conn.getresponse()
+        out["status"] = r.status
         if r.status != 200:
             out["error"] = f"{r.status} {r.read().decode(errors='replace')[:200]}"
             return out
@@ -93,8 +113,10 @@ def stream_request(port: int, model: str, body: dict, timeout: float = 300, hang
                 continue
             event = json.loads(line[5:])
             if "error" in event:
-                out["error"] = event["error"]
+                out["error"], out["error_event"] = event["error"], True
                 break
+            if event.get("finish_reason"):
+                out["finish"] = event["finish_reason"]
             ids_ = event.get("output_ids")
             if ids_ is not None:
                 got = [ids_] if isinstance(ids_, int) else list(ids_)
@@ -106,7 +128,7 @@ def stream_request(port: int, model: str, body: dict, timeout: float = 300, hang
             if "cycles" in event:
                 out["cycles"] = int(event["cycles"])
     except (OSError, http.client.HTTPException, ValueError) as e:
-        out["error"] = f"{type(e).__name__}: {e}"
+        out["error"], out["timed_out"] = f"{type(e).__name__}: {e}", isinstance(e, TimeoutError)
     finally:
         out["end"] = time.perf_counter()
         conn.close()
@@ -198,7 +220,7 @@ def speculation(engine, mode: str, concurrency: int, max_batch: int) -> str:
 def serve_mode(args, mode: str, work: Path):
     repo = work / mode / "repo"
     write_repository(args.engine, repo, "eaglex", instances=1, threads=args.threads,
-                     max_queue_size=max(64, 2 * max(args.concurrency)),
+                     max_queue_size=max(64, 2 * max(args.concurrency + [args.chaos_concurrency])),
                      method="vanilla" if mode == "vanilla" else "default",
                      max_batch=0 if mode == "single" else args.max_batch, max_context=args.max_context,
                      force=True)
@@ -212,16 +234,22 @@ AIPERF_METRICS = {"time_to_first_token": ("ttft", ("p99", "avg")), "inter_token_
                   "request_latency": ("latency", ("p99",))}
 
 
+def aiperf_command(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int, args, out: Path,
+                   warmup: int = 1) -> list[str]:
+    """AIPerf's command line: n streamed greedy chat requests at `concurrency`, artifacts in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    return [aiperf, "profile", "-m", "eaglex", "--tokenizer", str(tokenizer), "--endpoint-type", "chat",
+            "--streaming", "--url", f"127.0.0.1:{port}", "--concurrency", str(concurrency), "--request-count", str(n),
+            "--random-seed", "123", "--synthetic-input-tokens-mean", str(args.aiperf_input_tokens),
+            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.max_tokens),
+            "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0", "--use-server-token-count",
+            "--artifact-dir", str(out), "--warmup-request-count", str(warmup)]
+
+
 def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int, args, out: Path) -> dict:
     """One AIPerf run against /v1/chat/completions -> {aiperf_ttft_p99_ms, aiperf_itl_avg_ms, ...} (or
     aiperf_error)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [aiperf, "profile", "-m", "eaglex", "--tokenizer", str(tokenizer), "--endpoint-type", "chat",
-           "--streaming", "--url", f"127.0.0.1:{port}", "--concurrency", str(concurrency), "--request-count", str(n),
-           "--random-seed", "123", "--synthetic-input-tokens-mean", str(args.aiperf_input_tokens),
-           "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.max_tokens),
-           "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0", "--use-server-token-count", "--artifact-dir", str(out),
-           "--warmup-request-count", "1"]
+    cmd = aiperf_command(aiperf, tokenizer, port, concurrency, n, args, out)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     try:
         data = json.loads((out / "profile_export_aiperf.json").read_text())
@@ -243,6 +271,228 @@ def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int
                 round(float(v), 2)
     row["aiperf_requests"] = n
     return row
+
+
+# --- the chaos phase (--chaos): kill -9 under load ---------------------------------------------------------------
+CHAOS_KILLS = ("tritonserver", "stub")
+CLEAN = ("exact", "5xx", "stream error")             # what the goal allows a request to end as under a kill
+UNCLEAN = ("wrong", "cut", "4xx", "hung")
+RECOVERY_S = 30.0                                     # the goal: a request is served again this soon after a kill
+
+
+def outcome(rec: dict, want: list[int], deadline: float) -> str:
+    """How one of our client's requests (stream_request's record) ended: `exact` (the final event came and the
+    tokens are vanilla decoding's), `5xx` (refused or cut with a server-error status), `stream error` (an error
+    event ended the stream); or not clean: `wrong` (completed with other tokens), `4xx` (a server fault blamed on
+    the request), `cut` (the connection ended with neither the final event nor an error), `hung` (longer than
+    `deadline` seconds, or no byte for that long)."""
+    if rec["timed_out"] or rec["end"] - rec["t0"] > deadline:
+        return "hung"
+    if rec["error"] is None:
+        if rec["finish"] is None:
+            return "cut"
+        return "exact" if rec["ids"] == want else "wrong"
+    if rec["status"] is not None and rec["status"] != 200:
+        return "5xx" if rec["status"] >= 500 else "4xx"
+    return "stream error" if rec["error_event"] else "cut"
+
+
+def aiperf_outcomes(records: list[dict], deadline: float) -> dict:
+    """AIPerf's per-request export (profile_export.jsonl: one {metadata, metrics, error} per request) -> completed,
+    errored, hung (an error of a timeout type, or a request that took `deadline`, AIPerf's request timeout), the
+    distinct errors with their counts (code, type, message)."""
+    errors: dict[tuple, int] = {}
+    completed = hung = 0
+    for r in records:
+        meta, err = r.get("metadata") or {}, r.get("error")
+        seconds = (meta.get("request_end_ns", 0) - meta.get("request_start_ns", 0)) / 1e9
+        if (err and "timeout" in str(err.get("type") or "").lower()) or seconds >= deadline - 0.5:
+            hung += 1
+        if not err:
+            completed += 1
+            continue
+        key = (err.get("code"), err.get("type"), " ".join(str(err.get("message") or "").split())[:160])
+        errors[key] = errors.get(key, 0) + 1
+    return {"requests": len(records), "completed": completed, "errored": len(records) - completed, "hung": hung,
+            "errors": [{"code": c, "type": t, "message": m, "count": n}
+                       for (c, t, m), n in sorted(errors.items(), key=lambda kv: -kv[1])]}
+
+
+def server_metrics(port: int) -> dict[str, float]:
+    """The eaglex_* series of Triton's metrics endpoint ({} while it does not answer)."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        lines = conn.getresponse().read().decode(errors="replace").splitlines()
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return {}
+    return {ln.rsplit(" ", 1)[0].split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
+            if ln.startswith("eaglex_")}
+
+
+def chaos_run(srv, kill: str, aiperf: str, tokenizer: Path, prompts, want, probe_want, args, out: Path) -> dict:
+    """One AIPerf run (streamed chat at --chaos-concurrency) with our client's greedy streams alongside; once
+    AIPerf's requests are in the server, and --chaos-delay seconds more, `kill -9` of tritonserver or of the
+    model's stub. A probe then sends a short greedy request (one at a time) until one comes back exact: the
+    seconds from the kill to its end are the recovery. Returns what happened and the problems found."""
+    deadline, ours_n = args.chaos_deadline, args.chaos_clients
+    before = srv.state()
+    cmd = aiperf_command(aiperf, tokenizer, srv.http_port, args.chaos_concurrency,
+                         args.chaos_requests * args.chaos_concurrency, args, out, warmup=0)
+    cmd += ["--request-timeout-seconds", str(deadline)]
+    log = open(out / "aiperf.log", "wb")
+    t_start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    stop, lock, ours = threading.Event(), threading.Lock(), []
+
+    def client(k: int):
+        for i in itertools.count(k):
+            if stop.is_set():
+                return
+            j = i % len(prompts)
+            rec = stream_request(srv.http_port, "eaglex", {"input_ids": prompts[j], "max_tokens": args.max_tokens},
+                                 timeout=deadline)
+            rec["outcome"] = outcome(rec, want[j], deadline)
+            with lock:
+                ours.append(rec)
+            if rec["outcome"] != "exact":
+                time.sleep(0.5)                       # a client that backs off while the server is away
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(ours_n)]
+    for t in threads:
+        t.start()
+    problems, killed, t_kill, in_server = [], None, None, None
+    while time.perf_counter() - t_start < args.chaos_start_timeout and proc.poll() is None:
+        m = server_metrics(srv.metrics_port)          # AIPerf's requests are in: more than ours decoding/waiting
+        if m.get("eaglex_active_requests", 0) + m.get("eaglex_queue_depth", 0) > ours_n:
+            in_server = time.perf_counter() - t_start
+            break
+        time.sleep(0.2)
+    if in_server is None:
+        problems.append("AIPerf's requests never reached the server" if proc.poll() is None
+                        else f"AIPerf exited (code {proc.returncode}) before its requests reached the server")
+    else:
+        time.sleep(args.chaos_delay)
+        if proc.poll() is not None:
+            problems.append("AIPerf finished before the kill: raise --chaos-requests")
+        if kill == "tritonserver":
+            killed = srv.server_pid
+        else:
+            killed = next((pid for pid, s in stubs(srv.server_pid).items() if s["model"] == "eaglex"), None)
+        if killed is None:
+            problems.append(f"no {kill} process to kill")
+        else:
+            os.kill(killed, signal.SIGKILL)
+            t_kill, wall_kill = time.perf_counter(), time.time()
+    recovery, probes = None, []
+    if t_kill is not None:                            # the probe: served again, exactly, how soon?
+        while time.perf_counter() - t_kill < deadline:
+            rec = stream_request(srv.http_port, "eaglex", {"input_ids": prompts[0], "max_tokens": len(probe_want)},
+                                 timeout=deadline)
+            rec["outcome"] = outcome(rec, probe_want, deadline)
+            probes.append(rec)
+            if rec["outcome"] == "exact":
+                recovery = round(rec["end"] - t_kill, 2)
+                break
+            time.sleep(0.2)
+    try:                                               # AIPerf must finish its run (its requests time out at deadline)
+        proc.wait(timeout=max(10.0, deadline * 2 + 60 - (time.perf_counter() - (t_kill or t_start))))
+        exited = True
+    except subprocess.TimeoutExpired:
+        exited = False
+        os.killpg(proc.pid, signal.SIGKILL)            # the session AIPerf was started in (ours)
+        proc.wait()
+    log.close()
+    stop.set()
+    for t in threads:
+        t.join(deadline + 10)
+    seconds = round(time.perf_counter() - t_start, 1)
+    try:
+        records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        records = None
+    counts = {o: sum(r["outcome"] == o for r in ours) for o in CLEAN + UNCLEAN}
+    probe_counts = {o: sum(r["outcome"] == o for r in probes) for o in CLEAN + UNCLEAN if any(
+        r["outcome"] == o for r in probes)}
+    after = srv.state()
+    result = {"kill": kill, "pid": killed, "seconds": seconds,
+              "aiperf_in_server_after_s": None if in_server is None else round(in_server, 1),
+              "killed_after_s": None if t_kill is None else round(t_kill - t_start, 1),
+              "recovery_s": recovery, "probes": probe_counts,
+              "aiperf_exited": exited, "aiperf_exit_code": proc.returncode if exited else None,
+              "aiperf": aiperf_outcomes(records, deadline) if records is not None else None,
+              "ours": {"requests": len(ours), **counts, "alive_after_join": sum(t.is_alive() for t in threads),
+                       "error_samples": sorted({f"{r['outcome']}: {str(r['error'])[:160]}" for r in ours
+                                                if r["error"]})[:6]},
+              "restarts": after.get("restarts", 0) - before.get("restarts", 0),
+              "reloads": after.get("reloads", 0) - before.get("reloads", 0),
+              "events": [e["event"] for e in after.get("events", []) if t_kill is not None
+                         and e["time"] >= wall_kill - 1]}
+    a = result["aiperf"]
+    if records is None:
+        problems.append(f"AIPerf wrote no per-request export ({out / 'profile_export.jsonl'}); its log: "
+                        f"{control.tail(out / 'aiperf.log', 5)}")
+    elif a["hung"]:
+        problems.append(f"{a['hung']} AIPerf request(s) hung (over {deadline:.0f} s)")
+    if not exited:
+        problems.append(f"AIPerf did not exit (killed {deadline * 2 + 60:.0f} s after the kill)")
+    unclean = {o: counts[o] for o in UNCLEAN if counts[o]} | {o: n for o, n in probe_counts.items() if o in UNCLEAN}
+    if unclean:
+        problems.append(f"requests of ours (the probe's included) that did not end cleanly: {unclean}")
+    if result["ours"]["alive_after_join"]:
+        problems.append(f"{result['ours']['alive_after_join']} of our client's streams still running at the end")
+    if not counts["exact"]:
+        problems.append("our client: no request completed exactly")
+    if t_kill is not None and (recovery is None or recovery > RECOVERY_S):
+        problems.append(f"not served again within {RECOVERY_S:.0f} s of the kill (recovery {recovery} s)")
+    if t_kill is not None and not result["restarts"] + result["reloads"]:
+        problems.append("the supervisor reports no restart or reload")
+    result["problems"] = problems
+    return result
+
+
+def chaos(srv, aiperf: str, tokenizer: Path, prompts, want, args, out: Path) -> list[dict]:
+    """The chaos phase against a running deployment: one run per kind of kill (CHAOS_KILLS), in turn."""
+    probe_want = want[0][:args.chaos_probe_tokens]
+    runs = []
+    for kill in CHAOS_KILLS:
+        r = chaos_run(srv, kill, aiperf, tokenizer, prompts, want, probe_want, args, out / kill)
+        runs.append(r)
+        a, o = r["aiperf"] or {}, r["ours"]
+        print(f"[chaos] kill -9 {kill} (pid {r['pid']}) {r['killed_after_s']} s in: served again after "
+              f"{r['recovery_s']} s; AIPerf {a.get('completed')} completed / {a.get('errored')} errored, "
+              f"exit {r['aiperf_exit_code']}; ours {o['exact']} exact / {o['5xx']} 5xx / {o['stream error']} "
+              f"stream errors / {sum(o[k] for k in UNCLEAN)} not clean; {r['restarts']} restart(s), "
+              f"{r['reloads']} reload(s){'; PROBLEMS: ' + '; '.join(r['problems']) if r['problems'] else ''}",
+              flush=True)
+        if not srv.ready() and not wait_ready(srv, RECOVERY_S * 2):
+            break                                     # the next run needs a server
+    return runs
+
+
+def wait_ready(srv, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if srv.ready():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def chaos_markdown(runs: list[dict]) -> str:
+    lines = ["| kill -9 | killed after s | AIPerf completed / errored / hung | AIPerf exited (code) | AIPerf errors | "
+             "ours exact / 5xx / stream error | ours wrong / cut / 4xx / hung | served again after s | "
+             "restarts / reloads |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        a, o = r["aiperf"] or {}, r["ours"]
+        errs = "; ".join(f"{e['count']}× {e['code']} {e['type']}" for e in a.get("errors", [])) or "none"
+        lines.append(f"| {r['kill']} | {r['killed_after_s']} | {a.get('completed')} / {a.get('errored')} / "
+                     f"{a.get('hung')} | {r['aiperf_exited']} ({r['aiperf_exit_code']}) | {errs} | {o['exact']} / "
+                     f"{o['5xx']} / {o['stream error']} | {o['wrong']} / {o['cut']} / {o['4xx']} / {o['hung']} | "
+                     f"{r['recovery_s']} | {r['restarts']} / {r['reloads']} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -271,11 +521,39 @@ def main(argv=None) -> int:
     ap.add_argument("--aiperf", help="AIPerf's executable: also measure each row with AIPerf on the OpenAI API")
     ap.add_argument("--aiperf-input-tokens", type=int, default=64, help="AIPerf's synthetic prompt length")
     ap.add_argument("--aiperf-requests", default="2x", help="AIPerf's requests per row (like --requests)")
+    ap.add_argument("--chaos", action="store_true",
+                    help="after the rows, the chaos phase (needs --aiperf): kill -9 of tritonserver, then of the "
+                         "model's stub, each during an AIPerf run on the EAGLE-batched deployment with our client "
+                         "alongside; every request must end exactly or with a clean 5xx / error event, nothing may "
+                         "hang and a request must be served again within 30 s")
+    ap.add_argument("--chaos-only", action="store_true",
+                    help="only the chaos phase (implies --chaos and --modes eagle; no rows, no plot)")
+    ap.add_argument("--chaos-concurrency", type=int, default=16, help="AIPerf's concurrency in the chaos phase")
+    ap.add_argument("--chaos-requests", type=int, default=3,
+                    help="AIPerf's requests per run of the chaos phase, per concurrent client")
+    ap.add_argument("--chaos-clients", type=int, default=4, help="our client's concurrent streams alongside AIPerf")
+    ap.add_argument("--chaos-delay", type=float, default=3.0,
+                    help="seconds between AIPerf's requests reaching the server and the kill")
+    ap.add_argument("--chaos-deadline", type=float, default=60.0,
+                    help="a request that takes longer (or gets no byte for as long) hangs: AIPerf's request "
+                         "timeout, our client's, and the probe's time to find the server back")
+    ap.add_argument("--chaos-start-timeout", type=float, default=240.0,
+                    help="seconds for AIPerf to start and get its requests into the server")
+    ap.add_argument("--chaos-probe-tokens", type=int, default=8, help="tokens of the recovery probe's request")
+    ap.add_argument("--chaos-dir", type=Path,
+                    help="where the chaos phase's AIPerf artifacts go (default: next to --out, NAME_chaos/)")
     ap.add_argument("--out", type=Path, default=Path("build/bench_serve.json"))
     ap.add_argument("--plot", default="build/bench_serve.png", help="PNG to write ('' for none)")
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+    if args.chaos_only:
+        args.chaos, modes, args.concurrency, args.plot = True, ["eagle"], [], ""
+    if args.chaos and not args.aiperf:
+        ap.error("--chaos: needs --aiperf (the phase kills the server during AIPerf runs)")
+    if args.chaos and "eagle" not in modes:
+        ap.error("--chaos: runs against the eagle deployment; keep it in --modes")
+    args.chaos_dir = args.chaos_dir or args.out.with_name(args.out.stem + "_chaos")
     if not set(modes) <= set(MODES):
         ap.error(f"--modes: use {', '.join(MODES)}")
     if args.repeats < 1:
@@ -316,7 +594,7 @@ def main(argv=None) -> int:
     print(f"bench-serve: {engine_name} ({engine.method}, tree {engine.tree}, batch schedule "
           f"{engine.batch_schedule()}), {args.max_tokens} tokens per request, greedy; references decoded alone")
 
-    rows, servers = [], {}
+    rows, servers, chaos_runs, chaos_seconds = [], {}, [], None
     with tmp:
         try:
             for mode in modes:              # every deployment up at once (idle ones wait without using the CPU)
@@ -352,6 +630,11 @@ def main(argv=None) -> int:
                     rows.append(median_row(rs) | {"mode": mode,
                                                   "speculation": speculation(engine, mode, c, args.max_batch)}
                                 | extra[mode])
+            if args.chaos:                  # last: it kills the eagle deployment's processes
+                t0 = time.monotonic()
+                chaos_runs = chaos(servers["eagle"], args.aiperf, tokenizer_dir, prompts, want, args,
+                                   args.chaos_dir)
+                chaos_seconds = round(time.monotonic() - t0, 1)
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -365,11 +648,22 @@ def main(argv=None) -> int:
               "repeats": args.repeats, "mix": args.mix, "aiperf": bool(args.aiperf),
               "aiperf_input_tokens": args.aiperf_input_tokens if args.aiperf else None,
               "rows": rows, "summary": table}
+    if args.chaos:
+        result["chaos"] = {"seconds": chaos_seconds, "aiperf_concurrency": args.chaos_concurrency,
+                           "aiperf_requests": args.chaos_requests * args.chaos_concurrency,
+                           "our_clients": args.chaos_clients, "deadline_s": args.chaos_deadline,
+                           "recovery_limit_s": RECOVERY_S, "artifacts": str(args.chaos_dir), "runs": chaos_runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(markdown(rows, table))
+    if rows:
+        print(markdown(rows, table))
+    if args.chaos:
+        print(f"\nchaos phase ({chaos_seconds} s; AIPerf artifacts in {args.chaos_dir}):\n{chaos_markdown(chaos_runs)}")
+        for r in chaos_runs:
+            for e in (r["aiperf"] or {}).get("errors", []):
+                print(f"  {r['kill']}: AIPerf {e['count']}× {e['code']} {e['type']}: {e['message']}")
     print(f"wrote {args.out}")
-    if args.plot:
+    if args.plot and rows:
         try:
             plot(rows, Path(args.plot))
             print(f"wrote {args.plot}")
@@ -377,6 +671,8 @@ def main(argv=None) -> int:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
     bad = [r for r in rows if r["errors"] or r["exact"] != 1.0 or r["bad_refused"] != r["bad_requests"]
            or "aiperf_error" in r]
+    bad += [r for r in chaos_runs if r["problems"]] + ([{}] if args.chaos and len(chaos_runs) < len(CHAOS_KILLS)
+                                                       else [])
     return 1 if bad else 0
 
 
