@@ -194,7 +194,9 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
             del files[e]
     if not files:
         return []
-    n_ctx = max(len(p) for p in prompts) + max_new_tokens + cfg.lookup_tokens + 1
+    # prompt lookup evaluates up to lookup_tokens + 1 rows past what it has yielded, and may hold accepted rows it
+    # has not yielded yet: room for three such steps past the answer (one overflowed on a long prompt)
+    n_ctx = max(len(p) for p in prompts) + max_new_tokens + 3 * (cfg.lookup_tokens + 1)
     runs = {("greedy", e): _load(path, n_ctx, threads) for e, path in files.items()}
     base = ("greedy", "F32" if "F32" in files else next(iter(files)))
     lookup = LlamaPromptLookupDecoding(max_ngram_size=cfg.lookup_ngram, num_pred_tokens=cfg.lookup_tokens)
