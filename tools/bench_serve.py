@@ -243,7 +243,7 @@ def aiperf_command(aiperf: str, tokenizer: Path, port: int, concurrency: int, n:
             "--random-seed", "123", "--synthetic-input-tokens-mean", str(args.aiperf_input_tokens),
             "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.max_tokens),
             "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0", "--use-server-token-count",
-            "--artifact-dir", str(out), "--warmup-request-count", str(warmup)]
+            "--artifact-dir", str(out)] + (["--warmup-request-count", str(warmup)] if warmup else [])
 
 
 def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int, args, out: Path) -> dict:
