@@ -116,7 +116,8 @@ class SlotCache:
 
 
 class SlotBackend:
-    """What both batched backends share: a target and an optional draft SlotCache, one slot per request."""
+    """What both batched backends share: a target and an optional draft SlotCache, one slot per request, and the
+    slot half of the Backend protocol (runtime/backend.py) over them."""
 
     def _allocate(self, backend, slots: int, extra_rows: int, draft_kv: tuple[int, int] | None) -> None:
         """`draft_kv`: the draft's (kv heads, head dim), None without a head; `extra_rows`: room for one tree."""
@@ -128,11 +129,29 @@ class SlotBackend:
         self.tcache = SlotCache(s.num_layers, slots, s.num_kv_heads, s.head_dim, cap, dt)
         self.dcache = SlotCache(1, slots, *draft_kv, cap, dt) if draft_kv is not None else None
 
-    def reserve_draft_rows(self, rows: int) -> None:
-        """Room in the draft cache for `rows` rows past the context: a dynamic tree writes TOPK draft rows per level,
-        which can be more than the target's `extra_rows` (the verified tree's nodes)."""
-        if self.dcache is not None:
-            self.dcache.grow(self.spec.max_context + rows)
+    def reset(self, capacity: int, draft_capacity: int | None = None) -> None:
+        for c, rows in ((self.tcache, capacity), (self.dcache, draft_capacity or capacity)):
+            if c is not None:
+                c.grow(rows)
+                for slot in range(self.slots):
+                    c.clear(slot)
+
+    def target_commit(self, slot: int, keep: torch.Tensor) -> None:
+        self.tcache.commit(slot, keep)
+
+    def draft_commit(self, slot: int, keep: torch.Tensor) -> None:
+        self.dcache.commit(slot, keep)
+
+    def draft_rollback(self, rows: slice) -> None:
+        self.dcache.rollback(rows)
+
+    def clear(self, slot: int) -> None:
+        for c in self.caches():
+            c.clear(slot)
+
+    def move(self, src: int, dst: int) -> None:
+        for c in self.caches():
+            c.move(src, dst)
 
     @property
     def slot_bytes(self) -> int:
@@ -154,28 +173,25 @@ class TorchBatchBackend(SlotBackend):
 
     @torch.inference_mode()
     def target_forward(self, rows: slice, input_ids, position_ids, mask=None, last_only=False):
-        """input_ids/position_ids [B,N] for slots `rows` -> logits [B,N|1,V] f32, features [B,N,F]."""
         c, N = self.tcache, input_ids.shape[1]
         starts, end = c.begin(rows, N)
         attn = c.mask(rows, starts, end, mask, N)
         return self.target(input_ids, position_ids, attn, c, "last" if last_only else "all")
 
     @torch.inference_mode()
-    def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int):
-        """One draft step over slots `rows` -> (hidden_out [B,N,H], top log-probs [B,N,k], top target ids [B,N,k])."""
+    def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int,
+                      last_only: bool = False):
         c, N = self.dcache, input_ids.shape[1]
         starts, end = c.begin(rows, N)
         attn = c.mask(rows, starts, end, mask, N)
         h = self.draft(hidden.to(self.draft.fc.weight.dtype), input_ids, position_ids, attn, c, project)
-        logp, ids = self.draft.log_probs(h).topk(top_k, dim=-1)
+        logp, ids = self.draft.log_probs(h[:, -1:] if last_only else h).topk(top_k, dim=-1)
         return h, logp, self.draft.to_target_ids(ids)
 
 
 def batch_backend(backend, slots: int, extra_rows: int = 0):
-    """The batched backend over an opened Backend's models: TorchBatchBackend, or OrtBatchBackend for an engine."""
+    """The batched backend over a single-request backend's models (its class's `batched`: TorchBatchBackend, or
+    OrtBatchBackend for an engine), with `slots` slots of the context + `extra_rows` rows."""
     if slots < 1:
         raise ValueError(f"the batch needs at least one slot, got {slots}")
-    if hasattr(backend, "target_sess"):
-        from .ort_batch import OrtBatchBackend
-        return OrtBatchBackend(backend, slots, extra_rows)
-    return TorchBatchBackend(backend, slots, extra_rows)
+    return backend.batched(backend, slots, extra_rows)
