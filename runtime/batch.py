@@ -84,6 +84,21 @@ class Schedule:
     def max_nodes(self) -> int:
         return max((t.max_nodes for _, t in self.steps if t is not None), default=1)
 
+    @property
+    def draft_rows(self) -> int:
+        """Most draft-cache rows a step writes past a slot's committed ones: a tree's draft levels (TOPK rows per
+        level after the first) or a catch-up left-padded to the longest accepted path."""
+        return max((max(d.max_path, d.draft_rows) for d in map(Drafter, self.trees)), default=1)
+
+    @property
+    def top_k(self) -> int:
+        """Candidates the draft keeps after each request's last context row: the widest tree's first level."""
+        return max((d.tip_k for d in map(Drafter, self.trees)), default=1)
+
+    @property
+    def trees(self) -> list[TreeConfig]:
+        return list(dict.fromkeys(t for _, t in self.steps if t is not None))
+
     def alone(self, tree: TreeConfig | None) -> Schedule:
         """This schedule with `tree` for a request alone in flight (from 2 requests on, what it was)."""
         rest = [(a, t) for a, t in self.steps if a > 1]
@@ -112,20 +127,19 @@ class BatchedGenerator:
         vanilla."""
         self.backend, self.spec = backend, backend.spec
         self.schedule = schedule or Schedule.fixed(None)
-        trees = list(dict.fromkeys(t for _, t in self.schedule.steps if t is not None))
+        trees = self.schedule.trees
         if trees and backend.draft_kind is None:
             raise ValueError("speculative decoding needs a draft head")
         if getattr(backend, "exact_trees", None) == "chain" and any(t.kind != "chain" for t in trees):
             raise ValueError(f"this engine's output stays identical to vanilla decoding with chain trees only, "
                              f"not the schedule {self.schedule}")
         self.drafters = {t: Drafter(t) for t in trees}
-        self.top_k = max((d.tip_k for d in self.drafters.values()), default=1)   # candidates each tip keeps
+        self.top_k = self.schedule.top_k
         nodes = self.schedule.max_nodes if trees else 0
         # A tree grows only while `length + nodes` fits the context, so its draft rows end within `nodes` rows
         # past it unless its levels write more rows than it keeps.
-        grown = max((d.draft_rows for d in self.drafters.values()), default=0)
         ctx = self.spec.max_context
-        backend.reset(ctx + nodes, ctx + max(nodes, grown - nodes))
+        backend.reset(ctx + nodes, ctx + max(nodes, self.schedule.draft_rows - nodes))
         self.clock = Clock(getattr(backend, "device", None))
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []           # active[i] owns slot i

@@ -44,6 +44,11 @@ class Drafter:
         return self.plan.top_k if self.plan is not None else self.top_k
 
     @property
+    def max_path(self) -> int:
+        """Most nodes an accepted path holds, root included: the context pairs one cycle adds."""
+        return int(self.plan.depths.max()) + 1 if self.plan is not None else self.cfg.depth + 1
+
+    @property
     def draft_rows(self) -> int:
         """Draft-cache rows one growth writes past the committed ones (rolled back afterwards)."""
         if self.plan is not None:

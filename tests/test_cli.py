@@ -72,8 +72,13 @@ def _accept_first_child(tree, logits, *args):
     return Verdict(torch.tensor(nodes), int(logits[nodes[-1]].argmax()))
 
 
+def _accept_first_children(trees, logits, *args):
+    """The wrong verifier in place of the generator core's (every generator runs it, alone or batched)."""
+    return [_accept_first_child(t, row) for t, row in zip(trees, logits)]
+
+
 def test_check_fails_on_a_broken_verifier(models, prompt_file, capsys, monkeypatch):
-    monkeypatch.setattr(generate_mod, "verify_greedy", _accept_first_child)
+    monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     rc = main(["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
                "--prompts", str(prompt_file), "--max-new-tokens", "24"])
     out = capsys.readouterr().out
@@ -87,7 +92,7 @@ def test_check_batched(models, prompt_file, capsys, monkeypatch):
             "--prompts", str(prompt_file), "--max-new-tokens", "24", "--batch", "4"]
     assert main(args) == 0, capsys.readouterr().out
     assert "6/6 identical to vanilla decoded alone when batched (up to 4 at a time" in capsys.readouterr().out
-    monkeypatch.setattr(batch_mod, "verify_greedy", _accept_first_child)
+    monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "6/6 identical to vanilla (" in out and "batched output differs from vanilla decoded alone" in out
@@ -100,7 +105,7 @@ def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
     args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
             "--temperature", "5", "--samples", "400", "--tree", "dynamic:8/4/3"]
     assert main(args) == 0, capsys.readouterr().out
-    monkeypatch.setattr(generate_mod, "verify_sampling", _accept_first_child)
+    monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     assert main(args) == 1
 
 
