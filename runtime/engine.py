@@ -24,6 +24,8 @@ from typing import Callable
 from eaglex.models.errors import ModelError
 from eaglex.prompts import load_tokenizer
 
+from .batch import BatchedGenerator, Schedule, chain_for
+from .batch_backend import batch_backend
 from .device import device_of
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
@@ -108,7 +110,6 @@ class Engine:
     def batch_schedule(self):
         """The batch schedule this engine runs: the manifest's measured `batch_schedule` (engines/tune.py), else
         the engine's own tree as a chain at every batch size (see batch.chain_for), or vanilla batching."""
-        from .batch import Schedule, chain_for
         stored = (self.manifest or {}).get("batch_schedule")
         if self.method == "vanilla":
             return Schedule.fixed(None)
@@ -116,7 +117,6 @@ class Engine:
 
     def kv_bytes_per_token(self) -> int:
         """KV memory one token of context takes in a batch slot (target + draft)."""
-        from .batch_backend import batch_backend
         return batch_backend(BoundedContext(self.backend, 1), 1).slot_bytes
 
     def batch_exact(self, context: int | None = None, schedule=None) -> bool:
@@ -133,8 +133,6 @@ class Engine:
         (default: the model's context); every slot holds that much KV, so a server sizes it to its memory.
         One slot (max_batch 1, or an engine whose rows are not exact when batched) is the engine's own backend:
         requests take turns exactly as one request at a time does."""
-        from .batch import BatchedGenerator
-        from .batch_backend import batch_backend
         if self.device != "cpu":
             raise ModelError(f"batched decoding runs on the CPU for now, and this engine runs on {self.device}: "
                              "decode one request at a time (batch 1) on a GPU")

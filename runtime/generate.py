@@ -12,10 +12,10 @@ from eaglex.models.errors import ModelError
 
 from .backend import Backend
 from .batch import BatchedGenerator, Schedule
-from .request import GenerationResult, start_request
+from .request import GenerationResult
 from .types import SamplingConfig, TreeConfig
 
-__all__ = ["GenerationResult", "SpeculativeGenerator", "VanillaGenerator", "start_request"]
+__all__ = ["GenerationResult", "SpeculativeGenerator", "VanillaGenerator"]
 
 
 class _OneRequest:
