@@ -133,9 +133,10 @@ class Engine:
         (default: the model's context); every slot holds that much KV, so a server sizes it to its memory.
         One slot (max_batch 1, or an engine whose rows are not exact when batched) is the engine's own backend:
         requests take turns exactly as one request at a time does."""
-        if self.device != "cpu":
-            raise ModelError(f"batched decoding runs on the CPU for now, and this engine runs on {self.device}: "
-                             "decode one request at a time (batch 1) on a GPU")
+        if self.device != "cpu" and self.layout == "engine" and max_batch > 1:
+            raise ModelError(f"batched decoding of an ONNX Runtime engine runs on the CPU, and this one runs on "
+                             f"{self.device}: decode one request at a time (batch 1), or open the model folders on "
+                             "the PyTorch backend")
         schedule = schedule or self.batch_schedule().alone(self.tree)
         if not self.batch_exact(context, schedule):
             # an FP8 engine (manifest `exactness`), or a longer context than an int8 engine's rows stay independent

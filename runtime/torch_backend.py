@@ -17,13 +17,13 @@ import torch
 
 from eaglex.models.eagle import DraftHead, load_draft
 from eaglex.models.errors import ModelError
-from eaglex.models.target import DTYPES, Target, causal_mask, load_target
+from eaglex.models.target import DTYPES, Target, load_target
 
 from .backend import CachedBackend, full_mask
 from .batch_backend import TorchBatchBackend
 from .device import to_device
 from .kv_cache import TorchKVCache
-from .static import CudaGraphs, WindowView, slots_for, window_for, window_mask
+from .static import CudaGraphs, WindowView, local_mask, run_static, slots_for, window_for, window_mask
 
 MODES = ("eager", "static", "graphs")
 
@@ -91,7 +91,7 @@ class TorchBackend(CachedBackend):
                 input_ids, position_ids = to_device(input_ids, self.device), to_device(position_ids, self.device)
             attn = full_mask(mask, B, N, c.length, c.pending, self.device)
             return self.target(input_ids, position_ids, attn, c, out_rows)
-        local = self._local(mask, B, N, c.pending)
+        local = local_mask(mask, B, N, c.pending)
         window = window_for(c.length + c.pending + N, c.capacity)
         c.reserve(N)
 
@@ -99,8 +99,8 @@ class TorchBackend(CachedBackend):
             view = WindowView(c.k, c.v, slots_for(length, loc.shape[2] - ids.shape[1], ids.shape[1]), window)
             return self.target(ids, pos, window_mask(loc, length, window), view, out_rows)
 
-        out = self._run(("target", B, N, local.shape[2], window, out_rows), forward,
-                        (input_ids, position_ids, local, torch.tensor([c.length])))
+        out = run_static(self.graphs, self.device, ("target", B, N, local.shape[2], window, out_rows), forward,
+                         (input_ids, position_ids, local, torch.tensor([c.length])))
         c.appended(N)
         return out
 
@@ -118,7 +118,7 @@ class TorchBackend(CachedBackend):
             h = draft(hidden.to(dtype), input_ids, position_ids, attn, c, project)
             logp, ids = draft.log_probs(h[:, -1:] if last_only else h).topk(top_k, dim=-1)
             return h, logp, draft.to_target_ids(ids)
-        local = self._local(mask, B, N, c.pending)
+        local = local_mask(mask, B, N, c.pending)
         window = window_for(c.length + c.pending + N, c.capacity)
         c.reserve(N)
 
@@ -130,18 +130,7 @@ class TorchBackend(CachedBackend):
 
         key = ("draft", B, N, local.shape[2], window, bool(project), top_k, bool(last_only), hidden.shape[-1],
                hidden.dtype)
-        out = self._run(key, forward, (hidden, input_ids, position_ids, local, torch.tensor([c.length])))
+        out = run_static(self.graphs, self.device, key, forward,
+                         (hidden, input_ids, position_ids, local, torch.tensor([c.length])))
         c.appended(N)
         return out
-
-    @staticmethod
-    def _local(mask, batch: int, n: int, pending: int) -> torch.Tensor:
-        """[B,N,pending+N] bool mask over the uncommitted rows (None = every pending row, then causal)."""
-        if mask is not None:
-            return mask
-        return causal_mask(n, pending, batch)[:, 0]
-
-    def _run(self, key: tuple, fn, inputs: tuple[torch.Tensor, ...]):
-        if self.graphs is not None:
-            return self.graphs.run(key, fn, inputs)
-        return fn(*(to_device(x, self.device) for x in inputs))

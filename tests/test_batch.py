@@ -67,6 +67,28 @@ def test_batched_greedy_equals_alone_vanilla(name, schedule, backends, alone, pr
         assert sum(sum(r.result.accept_lengths) for r in reqs) > 1.5 * sum(r.result.cycles for r in reqs)
 
 
+@pytest.mark.parametrize("schedule", ["1:chain:3", MIXED])
+def test_static_slots_decode_exactly(schedule, models, alone, prompts):
+    """The fixed-shape forwards CUDA graphs capture per batch size (mode "static", run eagerly on the CPU): every
+    batched output equals the prompt decoded alone, and a request alone in the slots gives the single-request static
+    path's output, cycles and accepted lengths bit-identically."""
+    b = TorchBackend(models["llama"], models["llama/eagle3"], mode="static")
+    s = Schedule.parse(schedule)
+    rng = random.Random(schedule)
+    max_new = [rng.choice([1, 7, MAX_NEW]) for _ in prompts]
+    reqs = _staggered(BatchedGenerator(batch_backend(b, 5, s.max_nodes), s), prompts, max_new, rng)
+    for r, want, n in zip(reqs, alone["llama/eagle3"], max_new):
+        assert r.error is None and r.result.output_ids == want[:n], r.index
+    tree = s.tree(1)
+    gen = BatchedGenerator(batch_backend(b, 4, tree.max_nodes), Schedule.fixed(tree))
+    for p in prompts[:6]:
+        w = SpeculativeGenerator(b, tree).generate(p, MAX_NEW)
+        r = gen.submit(p, MAX_NEW)
+        gen.run()
+        assert (r.result.output_ids, r.result.cycles, r.result.accept_lengths) == \
+            (w.output_ids, w.cycles, w.accept_lengths)
+
+
 def test_cancelled_and_failing_requests_leave_the_others_exact(backends, alone, prompts):
     name = "llama/eagle3"
     gen = BatchedGenerator(TorchBatchBackend(backends[name], slots=6, extra_rows=4), Schedule.parse("1:chain:3"))
