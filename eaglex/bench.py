@@ -33,6 +33,7 @@ from eaglex.base.fsio import write_json
 from eaglex.bench_row import Row
 from eaglex.llamacpp_peer import run_llamacpp_peers
 from eaglex.llamacpp_server import run_server_peers
+from eaglex.runtime.backend import ONE
 from eaglex.runtime.device import synchronize
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.threads import set_threads
@@ -162,8 +163,8 @@ class CostSampler:
             mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
 
             def step(ids=ids, pos=pos, mask=mask):
-                b.target_forward(ids, pos, mask)
-                b.target_commit(torch.arange(0))          # commit nothing: the next call starts from `context`
+                b.target_forward(ONE, ids, pos, mask)
+                b.target_commit(0, torch.arange(0))          # commit nothing: the next call starts from `context`
             cases.append((f"target {n}", step))
         if b.draft_kind is None:
             return cases
@@ -173,14 +174,14 @@ class CostSampler:
             pos, mask = torch.full((1, n), c), torch.eye(n, dtype=torch.bool)[None]
 
             def dstep(hid=hid, ids=ids, pos=pos, mask=mask, n=n):
-                b.draft_forward(hid, ids, pos, mask, project=False, top_k=n)
-                b.draft_rollback()
+                b.draft_forward(ONE, hid, ids, pos, mask, project=False, top_k=n)
+                b.draft_rollback(ONE)
             cases.append((f"draft {n}", dstep))
         f4, ids4, pos4 = feats[:, -4:], self.prompt[:, -4:], torch.arange(c - 4, c)[None]
 
         def first():
-            b.draft_forward(f4, ids4, pos4, None, project=True, top_k=10, last_only=True)
-            b.draft_rollback()
+            b.draft_forward(ONE, f4, ids4, pos4, None, project=True, top_k=10, last_only=True)
+            b.draft_rollback(ONE)
         cases.append(("draft first", first))
         return cases
 
@@ -188,11 +189,11 @@ class CostSampler:
         """Prefill `context` rows, then time every case `repeats` times in a shuffled order."""
         b, c = self.backend, self.context
         b.reset(c + max(self.sizes) + 1)
-        _, feats = b.target_forward(self.prompt, torch.arange(c)[None], None, last_only=True)
-        b.target_commit(torch.arange(c))
+        _, feats = b.target_forward(ONE, self.prompt, torch.arange(c)[None], None, last_only=True)
+        b.target_commit(0, torch.arange(c))
         if b.draft_kind is not None:      # the draft's own context (token ids do not matter for timing)
-            b.draft_forward(feats, self.prompt, torch.arange(c)[None], None, project=True, top_k=10, last_only=True)
-            b.draft_commit(torch.arange(c))
+            b.draft_forward(ONE, feats, self.prompt, torch.arange(c)[None], None, project=True, top_k=10, last_only=True)
+            b.draft_commit(0, torch.arange(c))
         cases = self._cases(feats) * repeats
         self.rng.shuffle(cases)
         device = getattr(b, "device", "cpu")

@@ -327,16 +327,17 @@ def open_from_args(args):
     if args.engine is not None and (args.target or args.draft):
         raise ModelError("give either --engine or --target/--draft, not both")
     tree = None if args.tree in (None, "auto") else args.tree
+    from eaglex.runtime.engine import layout
+    # before anything opens a session: ONNX Runtime's process-wide pool is sized once
+    set_threads(args.threads or None, onnxruntime=args.engine is not None and layout(args.engine) == "engine")
     if args.engine is not None:
-        from eaglex.runtime.engine import layout
         if layout(args.engine) == "bundle":            # judged by TensorRT-LLM's rules before anything runs it
             from eaglex.engines.trtllm import installed_problems, validate_bundle
             problems = installed_problems(validate_bundle(args.engine)["llm_api_options"])
             if problems:
                 raise ModelError(f"the installed TensorRT-LLM rejects {args.engine}'s options: {'; '.join(problems)}")
         engine = open_engine(args.engine, method=args.method, tree=tree, dtype=args.dtype,
-                             draft_kind=args.draft_kind, threads=args.threads or None, device=args.device,
-                             providers=args.providers)
+                             draft_kind=args.draft_kind, device=args.device, providers=args.providers)
     elif args.target is not None:
         if args.providers:
             raise ModelError("--providers applies to ONNX Runtime engines (--engine DIR)")
@@ -344,7 +345,6 @@ def open_from_args(args):
                              draft_kind=args.draft_kind, device=args.device)
     else:
         raise ModelError("give --engine DIR, or --target DIR (and --draft DIR)")
-    set_threads(args.threads or None, onnxruntime=engine.layout == "engine")
     if args.max_new_tokens < 0:
         raise ModelError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     return engine
@@ -490,8 +490,11 @@ def cmd_bench(args) -> int:
     device = resolve_device(args.device)                      # torch rows and the transformers peers
     engines = [("torch", open_models(args.target, args.draft, device=device))] if args.target and not args.no_torch \
         else []
-    engines += [(f"ort:{e.name}", open_engine(e, threads=args.threads or None, device=args.device,
-                                             providers=args.providers)) for e in args.engine]
+    if args.engine:      # ONNX Runtime's process-wide pool, sized once before its first session
+        from eaglex.runtime.threads import set_threads
+        set_threads(args.threads or None, onnxruntime=True)
+    engines += [(f"ort:{e.name}", open_engine(e, device=args.device, providers=args.providers))
+                for e in args.engine]
     if not engines:
         raise ModelError("give --target (torch rows) and/or --engine DIR")
     prompts = read_prompts(args.prompts, load_tokenizer(args.target) or engines[0][1].tokenizer)

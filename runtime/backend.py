@@ -1,10 +1,11 @@
-"""The one interface every execution backend implements (PyTorch: torch_backend.py; ONNX Runtime: ort_backend.py),
-and the one KV-cache protocol behind it.
+"""The one interface every execution backend implements, and the one KV-cache protocol behind it.
 
-A backend owns the target, the optional draft head and one KV cache for each. Forwards append rows after the
-committed ones without committing them; the loop commits the rows the verifier accepted. Masks passed in cover only
-the uncommitted rows (`[B, N, pending + N]` bool, True = attend): committed rows are always visible. Batch is the
-leading dimension everywhere so that batch > 1 and paged caches can come without changing the loop.
+A backend owns the target, the optional draft head and `slots` KV slots for each: one request per slot. The
+single-request backends (PyTorch: torch_backend.py; ONNX Runtime: ort_backend.py) have one slot, the batched ones
+(batch_backend.py, ort_batch.py) many over the same models. Forwards take `rows`, a slice of slots (the batch
+0..B, or one slot), and append rows after each slot's committed ones without committing them; the generator core
+(batch.py) commits the rows the verifier accepted. Masks passed in cover only the uncommitted rows
+(`[B, N, pending + N]` bool, True = attend): committed rows are always visible.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from eaglex.models.target import TargetSpec, causal_mask
 
 
 class KVCache(Protocol):
-    """A decode loop's cache (torch: kv_cache.TorchKVCache; ORT: ort_cache.OrtKVCache). A forward appends its rows
+    """A single-request cache (torch: kv_cache.TorchKVCache; ORT: ort_cache.OrtKVCache). A forward appends its rows
     as pending; commit(keep) makes the kept pending rows (indices, in order) the next committed rows, rollback()
     drops every pending row."""
     length: int     # committed rows
     pending: int    # rows appended since the last commit / rollback
+    capacity: int
 
     def reset(self, capacity: int) -> None:
         """Empty, with room for `capacity` rows."""
@@ -30,51 +32,76 @@ class KVCache(Protocol):
     def rollback(self) -> None: ...
 
 
-class CachedBackend:
-    """The cache half of the Backend protocol, shared by the backends: `tcache` (target) and `dcache` (draft, None
-    without a head) implement KVCache."""
-    tcache: KVCache
-    dcache: KVCache | None
-
-    def reset(self, capacity: int) -> None:
-        self.tcache.reset(capacity)
-        if self.dcache is not None:
-            self.dcache.reset(capacity)
-
-    def target_commit(self, keep: torch.Tensor) -> None:
-        self.tcache.commit(keep)
-
-    def draft_commit(self, keep: torch.Tensor) -> None:
-        self.dcache.commit(keep)
-
-    def draft_rollback(self) -> None:
-        self.dcache.rollback()
-
-
 class Backend(Protocol):
     spec: TargetSpec
     draft_kind: str | None   # "eagle3", "eagle1" or None (vanilla only)
     dtype: str
+    slots: int
 
-    def reset(self, capacity: int) -> None:
-        """Empty both caches and make room for `capacity` rows."""
+    def reset(self, capacity: int, draft_capacity: int | None = None) -> None:
+        """Empty every slot and make room for `capacity` target rows (`draft_capacity` draft rows, default the
+        same) in each."""
 
-    def target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                       last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids/position_ids [B,N]; mask [B,N,N] or None (causal). -> logits [B,N|1,V] f32, features [B,N,F]."""
+    def target_forward(self, rows: slice, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       mask: torch.Tensor | None = None, last_only: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/position_ids [B,N]; mask [B,N,pending+N] or None (causal). -> logits [B,N|1,V] f32,
+        features [B,N,F]."""
 
-    def target_commit(self, keep: torch.Tensor) -> None:
-        """keep [K] int64 rows of the last target forward to commit, in order."""
-
-    def draft_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      mask: torch.Tensor | None, project: bool, top_k: int, last_only: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft_forward(self, rows: slice, hidden: torch.Tensor, input_ids: torch.Tensor,
+                      position_ids: torch.Tensor, mask: torch.Tensor | None, project: bool, top_k: int,
+                      last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft step. hidden [B,N,F] (target features when project) -> (hidden_out [B,N,H],
         top log-probs [B,N|1,k] f32, top target ids [B,N|1,k] int64)."""
 
-    def draft_commit(self, keep: torch.Tensor) -> None: ...
+    def target_commit(self, slot: int, keep: torch.Tensor) -> None:
+        """keep [K] int64: the slot's pending target rows (in order) that become committed rows."""
 
-    def draft_rollback(self) -> None: ...
+    def draft_commit(self, slot: int, keep: torch.Tensor) -> None: ...
+
+    def draft_rollback(self, rows: slice) -> None: ...
+
+    def clear(self, slot: int) -> None:
+        """Forget the slot's rows (its request left)."""
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's committed rows into slot dst (the core keeps the active slots contiguous)."""
+
+
+ONE = slice(0, 1)   # the one slot of a single-request backend
+
+
+class CachedBackend:
+    """The slot half of the Backend protocol for the single-request backends: one slot, whose target and draft
+    (None without a head) caches `tcache` and `dcache` implement KVCache."""
+    slots = 1
+    tcache: KVCache
+    dcache: KVCache | None
+
+    def reset(self, capacity: int, draft_capacity: int | None = None) -> None:
+        self.tcache.reset(capacity)
+        if self.dcache is not None:
+            self.dcache.reset(draft_capacity or capacity)
+
+    def target_commit(self, slot: int, keep: torch.Tensor) -> None:
+        self.tcache.commit(keep)
+
+    def draft_commit(self, slot: int, keep: torch.Tensor) -> None:
+        self.dcache.commit(keep)
+
+    def draft_rollback(self, rows: slice) -> None:
+        self.dcache.rollback()
+
+    def clear(self, slot: int) -> None:
+        self.reset(self.tcache.capacity, self.dcache.capacity if self.dcache is not None else None)
+
+    def move(self, src: int, dst: int) -> None:
+        raise RuntimeError("a single-request backend has one slot")
+
+    @staticmethod
+    def check_rows(rows: slice) -> None:
+        if rows != ONE:
+            raise ValueError(f"a single-request backend has one slot (rows 0:1), not {rows.start}:{rows.stop}")
 
 
 def full_mask(mask: torch.Tensor | None, batch: int, n: int, committed: int, pending: int,

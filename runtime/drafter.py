@@ -1,129 +1,147 @@
-"""Drafting one cycle's tree with the EAGLE head: the only place that calls the draft between verifications.
+"""Drafting one cycle's trees with the EAGLE head, for a batch of requests (a lone request is a batch of one).
 
 Each cycle first *extends* the draft's committed context with the target features of the tokens just accepted
-(pairs (feature at p, token at p+1), as the official code does: only this first step sees real target features),
-then grows a tree from the last row:
+(pairs (feature at p, token at p+1), as the official code does: only this first step sees real target features;
+runtime/batch.py runs that step), then grows a tree per request from its last row (types.DraftTip):
 - dynamic (EAGLE-2): expand the best top_k candidates of each level, keep the best total_tokens-1 overall;
 - chain: the dynamic tree with top_k = 1 (built directly, without the candidate pool);
 - static (EAGLE-1): the fixed shape of a choices list, each node the rank-th draft candidate of its parent.
-Tree rows written to the draft cache are rolled back at the end; the pure tree algebra lives in tree.py.
+Every level is one draft forward over all requests, each batch row masked to its own request's draft context and
+its own ancestors among that request's tree rows; every request expands the same number of nodes per level, so the
+rows line up without padding. The caller rolls the tree rows back; the pure tree algebra lives in tree.py.
 
-Devices: the candidate pool, scores and draft outputs stay on the backend's device while the tree grows (no host
-read between draft steps); the finished tree is read back once and lives on the host, where the verifier walks it.
+Devices: the candidate pool, scores and draft outputs stay on the backend's device while the trees grow (no host
+read between draft steps); the finished trees are read back once and live on the host, where the verifier walks
+them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .backend import Backend
 from .device import host, to_device
-from .tree import MC_SIM_7B_63, chain_tree, next_frontier, select_dynamic, static_plan, tree_from_parents
-from .types import DraftTree, TreeConfig
+from .tree import chain_tree, next_frontier, select_dynamic, static_plan, tree_from_parents
+from .types import DraftTip, DraftTree, TreeConfig
+
+# forward(hidden [B,N,H], input_ids [B,N], position_ids [B,N], mask, project, top_k) -> (hidden, logp, ids): a
+# Backend.draft_forward bound to the batch's slots
+DraftForward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class Drafter:
-    def __init__(self, backend: Backend, cfg: TreeConfig):
-        self.backend, self.cfg = backend, cfg
+    def __init__(self, cfg: TreeConfig):
+        self.cfg = cfg
         # self.depth: draft forwards after the one that extends the context (that one already yields the depth-1 nodes)
         self.top_k, self.depth, self.total = cfg.top_k, cfg.depth - 1, cfg.total_tokens
-        self.plan = static_plan(cfg.choices or MC_SIM_7B_63) if cfg.kind == "static" else None
+        self.plan = static_plan(cfg.choices) if cfg.kind == "static" else None
         if self.plan is not None:   # ancestor-or-self mask of the fixed shape, computed once
             self.static_anc = tree_from_parents(torch.zeros_like(self.plan.parents), self.plan.parents).mask
 
-    def extend(self, features: torch.Tensor, next_ids: torch.Tensor, start: int):
-        """Commit context pairs: features [N,F] of target positions start.., next_ids [N] the tokens after them.
+    @property
+    def tip_k(self) -> int:
+        """Candidates the tip must hold: what the first level picks from."""
+        return self.plan.top_k if self.plan is not None else self.top_k
 
-        Returns (hidden of the last row [1,H], its top log-probs [k], top ids [k]) to grow the tree from.
-        """
-        n = next_ids.shape[0]
-        pos = torch.arange(start, start + n).unsqueeze(0)
-        k = self.plan.top_k if self.plan is not None else self.top_k
-        h, logp, ids = self.backend.draft_forward(features.unsqueeze(0), next_ids.unsqueeze(0), pos, None,
-                                                  project=True, top_k=k, last_only=True)
-        self.backend.draft_commit(torch.arange(n))
-        return h[0, -1:], logp[0, 0], ids[0, 0]
+    @property
+    def max_path(self) -> int:
+        """Most nodes an accepted path holds, root included: the context pairs one cycle adds."""
+        return int(self.plan.depths.max()) + 1 if self.plan is not None else self.cfg.depth + 1
 
-    def tree(self, root: int, seed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], position: int) -> DraftTree:
-        """Grow the tree under `root` from the extend step's output; `position` is the draft position of depth-1
-        nodes (= the target position of the root; all nodes of one level share a position)."""
-        try:
-            if self.plan is not None:
-                return self._static(root, seed, position)
-            if self.top_k == 1:
-                return self._chain(root, seed, position)
-            return self._dynamic(root, seed, position)
-        finally:
-            self.backend.draft_rollback()
+    @property
+    def draft_rows(self) -> int:
+        """Draft-cache rows one growth writes past the committed ones (rolled back afterwards)."""
+        if self.plan is not None:
+            return sum(int(e.numel()) for e in self.plan.expand[1:])
+        return self.depth * self.top_k
 
-    def _dynamic(self, root, seed, position):
-        hidden, logp, ids = seed                               # [1,H], [K], [K]
-        K, depth, dev = self.top_k, self.depth, hidden.device
-        # Flat candidate pool, appended level by level: K children of the root, then K*K per expansion.
+    def grow(self, forward: DraftForward, tip: DraftTip, roots: list[int], positions: torch.Tensor
+             ) -> list[DraftTree]:
+        """One tree per request under `roots` [B] from the batch's tips ([B,H], [B,k], [B,k]); `positions` [B]
+        int64 are the draft positions of the depth-1 nodes (= the target position of each root; all nodes of one
+        level share a position)."""
+        if self.plan is not None:
+            return self._static(forward, tip, roots, positions)
+        if self.top_k == 1:
+            return self._chain(forward, tip, roots, positions)
+        return self._dynamic(forward, tip, roots, positions)
+
+    def _dynamic(self, forward, tip, roots, positions):
+        K, depth = self.top_k, self.depth
+        hidden, logp, ids = tip.hidden, tip.logp[:, :K], tip.ids[:, :K]      # [B,H], [B,K], [B,K]
+        (B, H), dev = hidden.shape, hidden.device
+        # Flat candidate pool per request, appended level by level: K children of the root, then K*K per expansion.
         size = K + depth * K * K
-        scores, tokens = torch.empty(size, device=dev), torch.empty(size, dtype=torch.long, device=dev)
-        parents = torch.empty(size, dtype=torch.long, device=dev)
-        scores[:K], tokens[:K], parents[:K] = logp, ids, -1
+        scores = torch.empty(B, size, device=dev)
+        tokens = torch.empty(B, size, dtype=torch.long, device=dev)
+        parents = torch.empty(B, size, dtype=torch.long, device=dev)
+        scores[:, :K], tokens[:, :K], parents[:, :K] = logp, ids, -1
         n = K
-        front = next_frontier(logp, K)                         # [F] candidate indices to expand
-        front_h = hidden.expand(front.shape[0], -1)            # [F,H] draft output each frontier node came from
-        mask = torch.eye(front.shape[0], dtype=torch.bool, device=dev)  # [F, processed] ancestors among processed
+        front = next_frontier(logp, K)                                   # [B,F] candidates to expand
+        F = front.shape[1]
+        front_h = hidden[:, None].expand(B, F, H)                        # [B,F,H] draft output they came from
+        # [B,F,processed+F]: each frontier row sees its own ancestors among its request's tree rows (and its
+        # request's committed draft context, which every row sees)
+        mask = torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)
         for i in range(depth):
-            F = front.shape[0]
-            h, lp, tk = self.backend.draft_forward(front_h.unsqueeze(0), tokens[front].unsqueeze(0),
-                                                   torch.full((1, F), position + i), mask.unsqueeze(0),
-                                                   project=False, top_k=K)
-            cu = (scores[front, None] + lp[0]).flatten()     # [F*K] cumulative log-probs of all children
-            scores[n:n + F * K], tokens[n:n + F * K] = cu, tk[0].flatten()
-            parents[n:n + F * K] = front.unsqueeze(1).expand(F, K).reshape(-1)   # = repeat_interleave(K)
-            pick = next_frontier(cu, K)                        # best K children over the whole level
-            rows = pick // K
-            front, front_h, n = pick + n, h[0, rows], n + F * K
-            mask = torch.cat([mask[rows], torch.eye(pick.shape[0], dtype=torch.bool, device=dev)], 1)
-        return select_dynamic(scores[:n], tokens[:n], parents[:n], root, self.total)
+            F = front.shape[1]
+            h, lp, tk = forward(front_h, tokens.gather(1, front), (positions[:, None] + i).expand(B, F).contiguous(),
+                                mask.contiguous(), False, K)
+            cu = (scores.gather(1, front)[:, :, None] + lp).reshape(B, F * K)   # cumulative log-probs of children
+            scores[:, n:n + F * K], tokens[:, n:n + F * K] = cu, tk.reshape(B, F * K)
+            parents[:, n:n + F * K] = front.repeat_interleave(K, dim=1)
+            pick = next_frontier(cu, K)                                  # best K children of the level, per request
+            came = pick // K                                             # the frontier row each came from
+            front, n = pick + n, n + F * K
+            F = front.shape[1]
+            front_h = h.gather(1, came[..., None].expand(B, F, h.shape[-1]))
+            mask = torch.cat([mask.gather(1, came[..., None].expand(B, F, mask.shape[-1])),
+                              torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], 2)
+        scores, tokens, parents = host(scores[:, :n], tokens[:, :n], parents[:, :n])   # one read of every pool
+        return [select_dynamic(scores[b], tokens[b], parents[b], roots[b], self.total) for b in range(B)]
 
-    def _chain(self, root, seed, position):
+    def _chain(self, forward, tip, roots, positions):
         """top_k = 1: the dynamic path would keep all depth candidates in order (total = depth + 1), so the
         chain is built directly: each step feeds its parent's top-1 token and output row, with the causal mask
         (a chain node's ancestors are exactly the rows drafted before it), and no candidate pool or rerank."""
-        hidden, _, ids = seed                                  # [1,H], [1], [1]
-        last = ids[:1].view(1, 1)                              # each step's token stays where the draft runs
-        tokens = [last]
+        hidden, last = tip.hidden[:, None], tip.ids[:, :1]               # [B,1,H], [B,1]: stay where the draft runs
+        drafted = [last]
         for i in range(self.depth):
-            h, _, tk = self.backend.draft_forward(hidden.unsqueeze(0), last, torch.tensor([[position + i]]), None,
-                                                  project=False, top_k=1)
-            hidden, last = h[0], tk[0]
-            tokens.append(last)
-        drafted, = host(torch.cat(tokens).view(-1))
-        return chain_tree(torch.cat([torch.tensor([root]), drafted]))
+            h, _, tk = forward(hidden, last, positions[:, None] + i, None, False, 1)
+            hidden, last = h, tk[:, :, 0]
+            drafted.append(last)
+        drafted, = host(torch.cat(drafted, 1))                           # [B, depth + 1]
+        return [chain_tree(torch.cat([torch.tensor([root]), d])) for root, d in zip(roots, drafted)]
 
-    def _static(self, root, seed, position):
+    def _static(self, forward, tip, roots, positions):
         plan = self.plan
-        hidden, logp, ids = seed
-        N, dev = plan.parents.shape[0], hidden.device
-        tokens = torch.zeros(N, dtype=torch.long, device=dev)
-        tokens[0] = root
-        top_ids = {0: ids}                                     # node -> its draft top-k target ids [k]
-        out_h = {0: hidden[0]}                                 # node -> draft output row its children read
+        hidden, ids = tip.hidden, tip.ids                                # [B,H], [B,k]
+        B, N, dev = hidden.shape[0], plan.parents.shape[0], hidden.device
+        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+        tokens[:, 0] = to_device(torch.tensor(roots), dev)
+        top_ids = {0: ids}                                     # node -> its draft top-k target ids [B,k]
+        out_h = {0: hidden}                                    # node -> draft output row its children read [B,H]
         processed: list[int] = []                              # draft rows written this cycle, by node
         for d, expand in enumerate(plan.expand):
             level = (plan.depths == d + 1).nonzero().flatten()
             par = plan.parents[level]
-            tokens[to_device(level, dev)] = torch.stack([top_ids[int(p)][int(r)]
-                                                         for p, r in zip(par, plan.ranks[level])])
+            tokens[:, to_device(level, dev)] = torch.stack([top_ids[int(p)][:, int(r)]
+                                                            for p, r in zip(par, plan.ranks[level])], 1)
             if d + 1 >= len(plan.expand):
                 break
             nxt = plan.expand[d + 1]                           # nodes at depth d+1 that have children
             if nxt.numel() == 0:
                 break
-            hid = torch.stack([out_h[int(plan.parents[n])] for n in nxt])
+            hid = torch.stack([out_h[int(plan.parents[n])] for n in nxt], 1)
             anc = self._ancestor_rows(nxt, processed)
-            h, lp, tk = self.backend.draft_forward(hid.unsqueeze(0), tokens[to_device(nxt, dev)].unsqueeze(0),
-                                                   torch.full((1, nxt.shape[0]), position + d),
-                                                   anc.unsqueeze(0), project=False, top_k=plan.top_k)
+            h, lp, tk = forward(hid, tokens[:, to_device(nxt, dev)],
+                                (positions[:, None] + d).expand(B, nxt.shape[0]).contiguous(),
+                                anc.expand(B, -1, -1).contiguous(), False, plan.top_k)
             for j, n in enumerate(nxt.tolist()):
-                top_ids[n], out_h[n] = tk[0, j], h[0, j]
+                top_ids[n], out_h[n] = tk[:, j], h[:, j]
             processed += nxt.tolist()
-        return tree_from_parents(host(tokens)[0], plan.parents)
+        tokens, = host(tokens)
+        return [tree_from_parents(t, plan.parents) for t in tokens]
 
     def _ancestor_rows(self, nodes: torch.Tensor, processed: list[int]) -> torch.Tensor:
         """[len(nodes), len(processed) + len(nodes)] mask: each node sees its processed ancestors and itself."""

@@ -25,6 +25,8 @@ from eaglex.base.errors import ModelError
 from eaglex.base.methods import METHODS
 from eaglex.base.prompts import has_tokenizer, load_tokenizer
 
+from .batch import BatchedGenerator, Schedule, chain_for
+from .batch_backend import batch_backend
 from .device import device_of, resolve_device
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
@@ -106,7 +108,6 @@ class Engine:
     def batch_schedule(self):
         """The batch schedule this engine runs: the manifest's measured `batch_schedule` (engines/tune.py), else
         the engine's own tree as a chain at every batch size (see batch.chain_for), or vanilla batching."""
-        from .batch import Schedule, chain_for
         stored = (self.manifest or {}).get("batch_schedule")
         if self.method == "vanilla":
             return Schedule.fixed(None)
@@ -114,7 +115,6 @@ class Engine:
 
     def kv_bytes_per_token(self) -> int:
         """KV memory one token of context takes in a batch slot (target + draft)."""
-        from .batch_backend import batch_backend
         return batch_backend(BoundedContext(self.backend, 1), 1).slot_bytes
 
     def batch_exact(self, context: int | None = None, schedule=None) -> bool:
@@ -124,37 +124,29 @@ class Engine:
         span = (context or self.backend.spec.max_context) + (schedule or self.batch_schedule()).max_nodes
         return getattr(self.backend, "batch_exact", True) and (keys is None or span <= keys)
 
-    def batcher(self, max_batch: int, schedule=None, solo: bool = True, context: int | None = None):
+    def batcher(self, max_batch: int, schedule=None, context: int | None = None):
         """A BatchedGenerator with `max_batch` KV slots over this engine's models (no second copy of the weights).
-        `solo`: a request alone in flight runs on a single-request generator, so one request at a time costs what
-        it does alone: greedy on this engine's own (vanilla when the schedule is vanilla throughout), bit-identical
-        to decoding it alone; sampled on the schedule's tree at one request, so that a sampled request's output
-        depends on its seed and the schedule only, not on whether it happened to be alone. `context`: the longest
-        prompt + new tokens a request may have (default: the model's context); every slot holds that much KV, so
-        a server sizes it to its memory."""
-        from .batch import BatchedGenerator
-        from .batch_backend import batch_backend
-        if self.device != "cpu":
-            raise ModelError(f"batched decoding runs on the CPU for now, and this engine runs on {self.device}: "
-                             "decode one request at a time (batch 1) on a GPU")
-        schedule = schedule or self.batch_schedule()
+        `schedule`: default the engine's batch schedule, with the engine's own tree for a request alone (as
+        `generator` decodes it, bit-identically). `context`: the longest prompt + new tokens a request may have
+        (default: the model's context); every slot holds that much KV, so a server sizes it to its memory.
+        One slot (max_batch 1, or an engine whose rows are not exact when batched) is the engine's own backend:
+        requests take turns exactly as one request at a time does."""
+        if self.device != "cpu" and self.layout == "engine" and max_batch > 1:
+            raise ModelError(f"batched decoding of an ONNX Runtime engine runs on the CPU, and this one runs on "
+                             f"{self.device}: decode one request at a time (batch 1), or open the model folders on "
+                             "the PyTorch backend")
+        schedule = schedule or self.batch_schedule().alone(self.tree)
         if not self.batch_exact(context, schedule):
             # an FP8 engine (manifest `exactness`), or a longer context than an int8 engine's rows stay independent
             # for: rows padded together in one forward could round differently from a request decoded alone, so
-            # requests take turns on the single-request path
-            max_batch, solo = 1, True
-        factory = None
-        if solo:
-            vanilla, one = all(t is None for _, t in schedule.steps), schedule.tree(1)
-
-            def factory(s: SamplingConfig):
-                if vanilla or (not s.greedy and one is None):
-                    return VanillaGenerator(self.backend, s)
-                return self.generator(s) if s.greedy else SpeculativeGenerator(self.backend, one, s)
+            # requests take turns on the engine's own backend
+            max_batch = 1
+        if max_batch == 1:
+            return BatchedGenerator(self.backend, schedule)
         backend = self.backend
         if context is not None and context < backend.spec.max_context:
             backend = BoundedContext(backend, context)
-        return BatchedGenerator(batch_backend(backend, max_batch, schedule.max_nodes), schedule, factory)
+        return BatchedGenerator(batch_backend(backend, max_batch, schedule.max_nodes), schedule)
 
     def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
         # slots as long as the longest request needs, not the model's whole context (each slot holds that much KV)
@@ -207,12 +199,10 @@ def layout(path: str | Path) -> str:
 
 
 def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig | None = None,
-                dtype: str = "float32", draft_kind: str | None = None, threads: int | None = None,
-                device: str | None = None, providers: str | list[str] | None = None, mode: str | None = None):
+                dtype: str = "float32", draft_kind: str | None = None, device: str | None = None, providers: str | list[str] | None = None, mode: str | None = None):
     """Open any layout above. Overrides: `method` ("vanilla" turns drafting off; a speculative method or a `tree`
     drafts even where tuning chose vanilla, on the kept tree unless `tree`), `tree` (else the engine's own),
-    `dtype` (PyTorch layouts), `draft_kind` (must match the head), `threads` (ONNX Runtime's pool size),
-    `device` ("cpu" by default; "auto", "cuda", "cuda:N": runtime/device.py), `providers` (ONNX Runtime engines:
+    `dtype` (PyTorch layouts), `draft_kind` (must match the head), `device` ("cpu" by default; "auto", "cuda", "cuda:N": runtime/device.py), `providers` (ONNX Runtime engines:
     execution providers instead of the device's), `mode` (PyTorch layouts: eager, static or graphs).
     Returns an Engine, or for a TensorRT-LLM bundle a TrtllmEngine with the same generate/check interface."""
     p = Path(path)
@@ -223,8 +213,7 @@ def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig
     if kind == "engine":
         from .ort_backend import OrtBackend
         from .ort_session import choose_providers
-        backend = OrtBackend(p, draft_kind=draft_kind, threads=threads,
-                             providers=choose_providers(device, providers))
+        backend = OrtBackend(p, draft_kind=draft_kind, providers=choose_providers(device, providers))
         m = backend.manifest
         return _engine(backend, p, m.get("method") or m.get("default_method"), manifest_tree(m), method, tree,
                        "engine", p, tuned_vanilla(m))

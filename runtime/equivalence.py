@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import Backend
+from .backend import ONE, Backend
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .sampling import derive_seed, logits_to_probs
 from .types import SamplingConfig, TreeConfig
@@ -34,7 +34,7 @@ class GreedyRow:
 def logit_margin(backend: Backend, context: list[int]) -> float:
     """Top-1 minus top-2 target logit for the token after `context`."""
     backend.reset(len(context) + 1)
-    logits, _ = backend.target_forward(torch.tensor([context]), torch.arange(len(context)).unsqueeze(0), None,
+    logits, _ = backend.target_forward(ONE, torch.tensor([context]), torch.arange(len(context)).unsqueeze(0), None,
                                        last_only=True)
     top = logits[0, -1].topk(2).values
     return float(top[0] - top[1])
@@ -110,7 +110,7 @@ def chi_square(backend: Backend, sampling: SamplingConfig, prompt: list[int], ou
     for ctx, toks in observed.items():
         context = prompt + list(ctx)
         backend.reset(len(context) + 1)
-        logits, _ = backend.target_forward(torch.tensor([context]), torch.arange(len(context)).unsqueeze(0),
+        logits, _ = backend.target_forward(ONE, torch.tensor([context]), torch.arange(len(context)).unsqueeze(0),
                                            None, last_only=True)
         probs = logits_to_probs(logits[0, -1].double(), sampling).double()
         counts = torch.bincount(torch.tensor(toks), minlength=probs.shape[0]).double()

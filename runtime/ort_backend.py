@@ -33,8 +33,9 @@ from eaglex.base.errors import ModelError
 
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend
+from .ort_batch import OrtBatchBackend
 from .ort_cache import NP_DTYPES, OrtKVCache
-from .ort_session import open_session, provider_device, use_global_pool
+from .ort_session import open_session, provider_device
 
 
 def _ov(a: np.ndarray) -> ort.OrtValue:
@@ -62,11 +63,12 @@ def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
 
 class OrtBackend(CachedBackend):
     device = torch.device("cpu")            # where the tensors it returns live
+    batched = OrtBatchBackend               # the same sessions with many slots (batch_backend.batch_backend)
 
-    def __init__(self, engine_dir: str | Path, draft_kind: str | None = None, threads: int | None = None,
-                 hash_limit: int = HASH_LIMIT, providers: list | None = None):
-        """`draft_kind`, if given, must match the engine's head; `threads` defaults to the physical cores;
-        `providers`: ONNX Runtime execution providers (default: the CPU)."""
+    def __init__(self, engine_dir: str | Path, draft_kind: str | None = None, hash_limit: int = HASH_LIMIT,
+                 providers: list | None = None):
+        """`draft_kind`, if given, must match the engine's head; `providers`: ONNX Runtime execution providers
+        (default: the CPU). The sessions run on the process-wide pool an entry point sized (runtime/threads.py)."""
         self.engine_dir = self.tokenizer_dir = Path(engine_dir)
         m = read_manifest(self.engine_dir)
         if m.get("backend") != "onnxruntime":
@@ -81,7 +83,6 @@ class OrtBackend(CachedBackend):
         if draft_kind is not None and draft_kind != self.draft_kind:
             raise ModelError(f"engine {engine_dir} holds {'an ' + self.draft_kind if self.draft_kind else 'no'} "
                              f"draft head, not {draft_kind}")
-        self.threads = use_global_pool(threads)
         self.providers = providers or ["CPUExecutionProvider"]
         self.kv_device = provider_device(self.providers)
         open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name, self.providers)
@@ -154,7 +155,8 @@ class OrtBackend(CachedBackend):
             io.bind_ortvalue_input(f"past_{'key' if i % 2 == 0 else 'value'}_{i // 2}", v)
         return N
 
-    def target_forward(self, input_ids, position_ids, mask, last_only=False):
+    def target_forward(self, rows, input_ids, position_ids, mask=None, last_only=False):
+        self.check_rows(rows)
         n = input_ids.shape[1]                   # the caller's rows; padding rows (min_rows) follow them
         if n < self.min_rows:
             input_ids, position_ids, mask = _pad_rows(input_ids, position_ids, mask, self.tcache.pending,
@@ -173,7 +175,8 @@ class OrtBackend(CachedBackend):
         self.tcache.appended(presents, N)
         return logits, feats
 
-    def draft_forward(self, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
+    def draft_forward(self, rows, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
+        self.check_rows(rows)
         if self.draft_sess is None:
             raise RuntimeError("this engine has no draft head")
         if not 1 <= top_k <= self.manifest["draft"]["draft_vocab_size"]:

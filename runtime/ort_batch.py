@@ -66,12 +66,13 @@ class OrtBatchBackend(SlotBackend):
         self._store(self.tcache, rows, presents, P, N)
         return torch.from_numpy(logits), torch.from_numpy(feats)
 
-    def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int):
+    def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int,
+                      last_only: bool = False):
         o, N = self.ort, input_ids.shape[1]
         h = hidden.detach().numpy().astype(o.np_dtype, copy=False)
         if project and o.fc_sess is not None:
             h = o.fc_sess.run(["hidden"], {"features": np.ascontiguousarray(h)})[0]
-        feeds, P = self._feeds(self.dcache, rows, input_ids, position_ids, mask, False)
+        feeds, P = self._feeds(self.dcache, rows, input_ids, position_ids, mask, last_only)
         feeds["hidden"], feeds["top_k"] = np.ascontiguousarray(h), np.array(top_k, dtype=np.int64)
         h_out, logp, ids, pk, pv = o.draft_sess.run(
             ["hidden_out", "top_logp", "top_ids", "present_key_0", "present_value_0"], feeds)

@@ -19,6 +19,10 @@ from typing import Callable
 
 import torch
 
+from eaglex.models.target import causal_mask
+
+from .device import to_device
+
 MIN_WINDOW = 256
 MAX_GRAPHS = 256         # graphs kept; the least recently replayed one goes first (each holds its own activations)
 
@@ -32,33 +36,56 @@ def window_for(end: int, capacity: int) -> int:
 
 
 def window_mask(local: torch.Tensor, length: torch.Tensor, window: int) -> torch.Tensor:
-    """[B,1,N,window] bool attention mask: the `length` committed rows, then `local` [B,N,W] (True = attend) over the
-    W uncommitted rows (pending, then the N new ones) that follow them; the rest of the window is hidden.
-    `length` is a [1] int64 tensor on the mask's device, so that a graph can take it as an input."""
+    """[B,1,N,window] bool attention mask: each row's `length` committed rows, then `local` [B,N,W] (True = attend)
+    over the W uncommitted rows (pending, then the N new ones) that follow them; the rest of the window is hidden.
+    `length` is a [B] (or [1]: every row) int64 tensor on the mask's device, so that a graph can take it as an
+    input."""
     B, N, W = local.shape
     cols = torch.arange(window, device=local.device)
-    rel = cols - length                                                   # [window] column relative to `length`
+    rel = cols - length[:, None]                                          # [B,window] column relative to `length`
     inside = (rel >= 0) & (rel < W)
-    picked = local.gather(2, rel.clamp(0, W - 1).expand(B, N, window))    # [B,N,window]
-    return ((picked & inside) | (cols < length)).unsqueeze(1)
+    picked = local.gather(2, rel.clamp(0, W - 1)[:, None, :].expand(B, N, window))   # [B,N,window]
+    return ((picked & inside[:, None]) | (cols < length[:, None])[:, None]).unsqueeze(1)
+
+
+def local_mask(mask: torch.Tensor | None, batch: int, n: int, pending: int) -> torch.Tensor:
+    """[B,N,pending+N] bool mask over the uncommitted rows (None = every pending row, then causal)."""
+    if mask is not None:
+        return mask
+    return causal_mask(n, pending, batch)[:, 0]
 
 
 class WindowView:
-    """models.target.LayerCache over a TorchKVCache for one static forward: new rows go to `slots` [N] (device
-    int64), attention reads the first `window` rows of every layer. Holds no counters (a graph replays it)."""
+    """models.target.LayerCache over preallocated [layers, B, Hkv, capacity, D] buffers for one static forward: new
+    rows go to `slots` (device int64: [N], the same rows of every batch row, or [B,N], each row its own), attention
+    reads the first `window` rows of every layer. Holds no counters (a graph replays it)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, window: int):
         self.k, self.v, self.slots, self.window = k, v, slots, window
 
     def update(self, layer, k, v):
-        self.k[layer].index_copy_(2, self.slots, k)
-        self.v[layer].index_copy_(2, self.slots, v)
+        if self.slots.dim() == 1:
+            self.k[layer].index_copy_(2, self.slots, k)
+            self.v[layer].index_copy_(2, self.slots, v)
+        else:                                # [B,Hkv,C,D] viewed as [B,C,Hkv,D]: each row's N keys at its columns
+            b = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[layer].permute(0, 2, 1, 3)[b, self.slots] = k.transpose(1, 2)
+            self.v[layer].permute(0, 2, 1, 3)[b, self.slots] = v.transpose(1, 2)
         return self.k[layer, :, :, :self.window], self.v[layer, :, :, :self.window]
 
 
 def slots_for(length: torch.Tensor, pending: int, n: int) -> torch.Tensor:
-    """[N] cache rows of a forward's new rows: length + pending + arange(N), on `length`'s device."""
-    return length + (pending + torch.arange(n, device=length.device))
+    """Cache rows of a forward's new rows: length + pending + arange(N), on `length`'s device; [N] for a [1]
+    length, [B,N] for a [B] one (each row after its own committed rows)."""
+    new = pending + torch.arange(n, device=length.device)
+    return length + new if length.shape[0] == 1 else length[:, None] + new
+
+
+def run_static(graphs: CudaGraphs | None, device: torch.device, key: tuple, fn, inputs: tuple[torch.Tensor, ...]):
+    """fn(*inputs) on `device`: replayed from a CUDA graph captured per key when `graphs`, else eagerly."""
+    if graphs is not None:
+        return graphs.run(key, fn, inputs)
+    return fn(*(to_device(x, device) for x in inputs))
 
 
 @dataclass

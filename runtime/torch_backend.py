@@ -17,12 +17,13 @@ import torch
 
 from eaglex.base.errors import ModelError
 from eaglex.models.eagle import DraftHead, load_draft
-from eaglex.models.target import DTYPES, Target, causal_mask, load_target
+from eaglex.models.target import DTYPES, Target, load_target
 
 from .backend import CachedBackend, full_mask
+from .batch_backend import TorchBatchBackend
 from .device import to_device
 from .kv_cache import TorchKVCache
-from .static import CudaGraphs, WindowView, slots_for, window_for, window_mask
+from .static import CudaGraphs, WindowView, local_mask, run_static, slots_for, window_for, window_mask
 
 MODES = ("eager", "static", "graphs")
 
@@ -32,6 +33,8 @@ def default_mode(device: torch.device) -> str:
 
 
 class TorchBackend(CachedBackend):
+    batched = TorchBatchBackend          # the same models with many slots (batch_backend.batch_backend)
+
     def __init__(self, target: str | Path | Target, draft: str | Path | DraftHead | None = None,
                  dtype: str = "float32", draft_kind: str | None = None, device: str | torch.device = "cpu",
                  mode: str | None = None):
@@ -70,37 +73,40 @@ class TorchBackend(CachedBackend):
             self.dcache = TorchKVCache(1, 1, d.num_kv_heads, d.head_dim, torch_dtype, self.device)
         self.graphs = CudaGraphs(self.device) if self.mode == "graphs" else None
 
-    def reset(self, capacity: int) -> None:
-        grown = capacity > self.tcache.capacity
-        super().reset(capacity)
+    def reset(self, capacity: int, draft_capacity: int | None = None) -> None:
+        grown = capacity > self.tcache.capacity or \
+            (self.dcache is not None and (draft_capacity or capacity) > self.dcache.capacity)
+        super().reset(capacity, draft_capacity)
         if grown and self.graphs is not None:       # the captured graphs point at the old buffers
             self.graphs.clear()
 
     @torch.inference_mode()
-    def target_forward(self, input_ids, position_ids, mask, last_only=False):
+    def target_forward(self, rows, input_ids, position_ids, mask=None, last_only=False):
+        self.check_rows(rows)
         c = self.tcache
         B, N = input_ids.shape
-        rows = "last" if last_only else "all"
+        out_rows = "last" if last_only else "all"
         if self.mode == "eager":
             if self.device.type != "cpu":
                 input_ids, position_ids = to_device(input_ids, self.device), to_device(position_ids, self.device)
             attn = full_mask(mask, B, N, c.length, c.pending, self.device)
-            return self.target(input_ids, position_ids, attn, c, rows)
-        local = self._local(mask, B, N, c.pending)
+            return self.target(input_ids, position_ids, attn, c, out_rows)
+        local = local_mask(mask, B, N, c.pending)
         window = window_for(c.length + c.pending + N, c.capacity)
         c.reserve(N)
 
         def forward(ids, pos, loc, length):
             view = WindowView(c.k, c.v, slots_for(length, loc.shape[2] - ids.shape[1], ids.shape[1]), window)
-            return self.target(ids, pos, window_mask(loc, length, window), view, rows)
+            return self.target(ids, pos, window_mask(loc, length, window), view, out_rows)
 
-        out = self._run(("target", B, N, local.shape[2], window, rows), forward,
-                        (input_ids, position_ids, local, torch.tensor([c.length])))
+        out = run_static(self.graphs, self.device, ("target", B, N, local.shape[2], window, out_rows), forward,
+                         (input_ids, position_ids, local, torch.tensor([c.length])))
         c.appended(N)
         return out
 
     @torch.inference_mode()
-    def draft_forward(self, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
+    def draft_forward(self, rows, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
+        self.check_rows(rows)
         c, draft = self.dcache, self.draft
         B, N = input_ids.shape
         dtype = draft.fc.weight.dtype
@@ -112,7 +118,7 @@ class TorchBackend(CachedBackend):
             h = draft(hidden.to(dtype), input_ids, position_ids, attn, c, project)
             logp, ids = draft.log_probs(h[:, -1:] if last_only else h).topk(top_k, dim=-1)
             return h, logp, draft.to_target_ids(ids)
-        local = self._local(mask, B, N, c.pending)
+        local = local_mask(mask, B, N, c.pending)
         window = window_for(c.length + c.pending + N, c.capacity)
         c.reserve(N)
 
@@ -124,18 +130,7 @@ class TorchBackend(CachedBackend):
 
         key = ("draft", B, N, local.shape[2], window, bool(project), top_k, bool(last_only), hidden.shape[-1],
                hidden.dtype)
-        out = self._run(key, forward, (hidden, input_ids, position_ids, local, torch.tensor([c.length])))
+        out = run_static(self.graphs, self.device, key, forward,
+                         (hidden, input_ids, position_ids, local, torch.tensor([c.length])))
         c.appended(N)
         return out
-
-    @staticmethod
-    def _local(mask, batch: int, n: int, pending: int) -> torch.Tensor:
-        """[B,N,pending+N] bool mask over the uncommitted rows (None = every pending row, then causal)."""
-        if mask is not None:
-            return mask
-        return causal_mask(n, pending, batch)[:, 0]
-
-    def _run(self, key: tuple, fn, inputs: tuple[torch.Tensor, ...]):
-        if self.graphs is not None:
-            return self.graphs.run(key, fn, inputs)
-        return fn(*(to_device(x, self.device) for x in inputs))

@@ -18,15 +18,8 @@ import numpy as np
 import torch
 
 from .device import host
-from .types import PLACEHOLDER, DraftTree
+from .types import MC_SIM_7B_63, PLACEHOLDER, DraftTree
 
-# EAGLE-1's default static tree (choices.py, name inherited from Medusa): 25 nodes + root, depth 5,
-# nodes per depth 4, 8, 8, 3, 2. Each entry is the path of top-k ranks from the root.
-MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
-)
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
@@ -90,8 +83,9 @@ def chain_tree(tokens: torch.Tensor) -> DraftTree:
 
 
 def next_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [C] -> [min(k, C)] int64 indices of the best scores, best first; ties go to the lower index."""
-    return torch.sort(scores, descending=True, stable=True).indices[:k]
+    """scores [..., C] -> [..., min(k, C)] int64 indices of the best scores of each row, best first; ties go to the
+    lower index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def select_dynamic(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
@@ -150,9 +144,9 @@ class StaticPlan:
         return int(self.parents.shape[0])
 
 
-def static_plan(choices) -> StaticPlan:
-    """choices: iterable of rank paths, e.g. MC_SIM_7B_63. Built once per run, so plain Python is fine here."""
-    nodes = [tuple(int(r) for r in ch) for ch in choices]
+def static_plan(choices=None) -> StaticPlan:
+    """choices: iterable of rank paths (None: MC_SIM_7B_63). Built once per run, so plain Python is fine here."""
+    nodes = [tuple(int(r) for r in ch) for ch in (MC_SIM_7B_63 if choices is None else choices)]
     if not nodes:
         raise ValueError("a static tree needs at least one choice")
     seen = set(nodes)

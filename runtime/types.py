@@ -16,6 +16,14 @@ import torch
 
 PLACEHOLDER = -1
 
+# EAGLE-1's default static tree (choices.py, name inherited from Medusa): 25 nodes + root, depth 5,
+# nodes per depth 4, 8, 8, 3, 2. Each entry is the path of top-k ranks from the root.
+MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -28,6 +36,19 @@ class DraftTree:
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class DraftTip:
+    """The draft's output after a request's last committed context row, which the next tree grows from: its
+    hidden row and its top-k log-probs and target ids. One request: [H], [k], [k]; a batch: [B,H], [B,k], [B,k]."""
+    hidden: torch.Tensor
+    logp: torch.Tensor
+    ids: torch.Tensor
+
+    @staticmethod
+    def stack(tips: "list[DraftTip]") -> "DraftTip":
+        return DraftTip(*(torch.stack(t) for t in zip(*((x.hidden, x.logp, x.ids) for x in tips))))
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,5 @@ class TreeConfig:
         if self.kind == "chain":
             return self.depth + 1
         if self.kind == "static":
-            from .tree import MC_SIM_7B_63
             return len(self.choices or MC_SIM_7B_63) + 1
         return self.total_tokens

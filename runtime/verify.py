@@ -102,3 +102,25 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig,
                            next_token=sample(residual / residual.sum(), generator))
         node = int(kids[int(hit[0])])
         accepted.append(node)
+
+
+def verify_rows(trees: list[DraftTree], logits: torch.Tensor, samplings: list[SamplingConfig],
+                generators: list[torch.Generator]) -> list[Verdict]:
+    """A batch's verdicts: trees[b] (N nodes each) against logits[b] [N,V], under samplings[b] / generators[b].
+    The greedy rows are decided from one argmax over all of their nodes (one read from the device), each walked
+    on the host as verify_greedy walks it; each sampled row walks its own tree with its own generator."""
+    out: list[Verdict | None] = [None] * len(trees)
+    greedy = [b for b, s in enumerate(samplings) if s.greedy]
+    if greedy:
+        top, = host(argmax(logits if len(greedy) == len(trees) else logits[greedy]))       # [G,N]
+        top = top.numpy()
+        for j, b in enumerate(greedy):
+            _check(trees[b], logits[b])
+            if trees[b].tokens.device.type == "cpu":
+                out[b] = _verify_greedy_host(trees[b], top[j])
+            else:
+                out[b] = verify_greedy(trees[b], logits[b])
+    for b, s in enumerate(samplings):
+        if not s.greedy:
+            out[b] = verify_sampling(trees[b], logits[b], s, generators[b])
+    return out

@@ -38,5 +38,4 @@ def load(path: str | Path, method: str = "default", tree: str | dict | None = No
     if kind == "bundle":
         raise ModelError(f"{path} is a TensorRT-LLM bundle: serve it with TensorRT-LLM's own Triton backend")
     set_threads(threads or None, onnxruntime=kind == "engine")     # the Triton model is its process's entry point
-    return open_engine(path, method=None if method == "default" else method, tree=parsed, dtype=dtype,
-                       threads=threads or None)
+    return open_engine(path, method=None if method == "default" else method, tree=parsed, dtype=dtype)

@@ -272,7 +272,7 @@ class _Job:
     def __init__(self, model: TritonPythonModel, request, sender, req):
         self.request, self.sender, self.req = request, sender, req
         self.text, self.ended, self.on_tokens, self.stop = model._hooks(req, request, sender)
-        self.handle = None              # its runtime.batch.Request once submitted
+        self.handle = None              # its runtime.request.Request once submitted
 
 
 KV_SHARE = 0.5      # of the memory available at load that the batch slots may take by default
@@ -301,9 +301,10 @@ class _Batching:
 
     def __init__(self, model: TritonPythonModel, max_batch: int, max_queue: int, context: int):
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
-        self.schedule = model.engine.batch_schedule()
-        self.gen = model.engine.batcher(max_batch, self.schedule, context=context)
-        self.slot_bytes = self.gen.backend.slot_bytes
+        engine = model.engine
+        self.schedule = engine.batch_schedule().alone(engine.tree)     # alone: the engine's own tree, as generate
+        self.gen = engine.batcher(max_batch, self.schedule, context=context)
+        self.slot_bytes = engine.kv_bytes_per_token() * (context + self.schedule.max_nodes)
         self.lock = threading.Condition()
         self.inbox: list[_Job] = []
         self.jobs: dict = {}            # batch Request -> _Job

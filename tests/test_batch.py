@@ -19,7 +19,7 @@ from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import SamplingConfig, TreeConfig
-from eaglex.runtime.verify import verify_greedy
+from eaglex.runtime.verify import verify_rows
 
 MAX_NEW = 40
 # vanilla, chains and dynamic trees, mixed by batch size (with slots=5 every batch size up to 5 occurs)
@@ -65,6 +65,28 @@ def test_batched_greedy_equals_alone_vanilla(name, schedule, backends, alone, pr
         assert r.result.output_ids == want[:n], (r.index, schedule)
     if schedule != "1:vanilla":
         assert sum(sum(r.result.accept_lengths) for r in reqs) > 1.5 * sum(r.result.cycles for r in reqs)
+
+
+@pytest.mark.parametrize("schedule", ["1:chain:3", MIXED])
+def test_static_slots_decode_exactly(schedule, models, alone, prompts):
+    """The fixed-shape forwards CUDA graphs capture per batch size (mode "static", run eagerly on the CPU): every
+    batched output equals the prompt decoded alone, and a request alone in the slots gives the single-request static
+    path's output, cycles and accepted lengths bit-identically."""
+    b = TorchBackend(models["llama"], models["llama/eagle3"], mode="static")
+    s = Schedule.parse(schedule)
+    rng = random.Random(schedule)
+    max_new = [rng.choice([1, 7, MAX_NEW]) for _ in prompts]
+    reqs = _staggered(BatchedGenerator(batch_backend(b, 5, s.max_nodes), s), prompts, max_new, rng)
+    for r, want, n in zip(reqs, alone["llama/eagle3"], max_new):
+        assert r.error is None and r.result.output_ids == want[:n], r.index
+    tree = s.tree(1)
+    gen = BatchedGenerator(batch_backend(b, 4, tree.max_nodes), Schedule.fixed(tree))
+    for p in prompts[:6]:
+        w = SpeculativeGenerator(b, tree).generate(p, MAX_NEW)
+        r = gen.submit(p, MAX_NEW)
+        gen.run()
+        assert (r.result.output_ids, r.result.cycles, r.result.accept_lengths) == \
+            (w.output_ids, w.cycles, w.accept_lengths)
 
 
 def test_cancelled_and_failing_requests_leave_the_others_exact(backends, alone, prompts):
@@ -132,7 +154,9 @@ def test_schedule_grammar():
     d = Schedule.parse("1:dynamic:16/6/4,2:chain:3,4:vanilla")
     assert str(d) == "1:dynamic:16/6/4,2:chain:3,4:vanilla" and d.tree(3) == TreeConfig.chain(3)
     assert (d.max_nodes, d.draft_rows, d.top_k) == (16, 20, 4)    # 5 draft levels of 4 rows after the first
-    for bad in ("2:chain:3", "1:chain:3,1:vanilla", "1:static", "x", "1:chain"):
+    st = Schedule.parse("1:static")           # mc_sim_7b_63: 26 nodes, ranks 0-3, 10 rows expanded below the root
+    assert (st.max_nodes, st.draft_rows, st.top_k) == (26, 10, 4)
+    for bad in ("2:chain:3", "1:chain:3,1:vanilla", "x", "1:chain"):
         with pytest.raises(ValueError):
             Schedule.parse(bad)
 
@@ -193,11 +217,11 @@ def test_tree_steps_accept_side_branches_and_commit_exactly_the_accepted_path(na
     single = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
     verdicts = []
 
-    def recording(tree, logits):
-        v = verify_greedy(tree, logits)
-        verdicts.append((tree, v))
-        return v
-    monkeypatch.setattr(batch_mod, "verify_greedy", recording)
+    def recording(trees, logits, *args):
+        vs = verify_rows(trees, logits, *args)
+        verdicts.extend(zip(trees, vs))
+        return vs
+    monkeypatch.setattr(batch_mod, "verify_rows", recording)
     s = Schedule.parse("1:dynamic:8/4/3,3:dynamic:10/3/4")
     bb = batch_backend(single, 4, s.max_nodes)
     bb.draft_forward = _swap_two_best(bb.draft_forward)
@@ -232,31 +256,30 @@ def test_a_tree_in_the_slots_drafts_what_the_single_request_drafter_drafts(name,
                                                                           request):
     """The batched draft levels (each row masked to its own request's tree) grow, cycle by cycle, the very trees
     Drafter grows for the request alone (tokens and shape), for a request alone in the slots and inside a batch."""
-    from eaglex.runtime import generate as generate_mod
     b = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
     tree = TreeConfig.parse("dynamic:10/4/3")
     picks = prompts[:4]
+    rows = []                                  # the requests of the verification being recorded, in row order
+
+    def recording(trees, logits, *args):
+        assert len(trees) == len(rows[0])
+        for log, t in zip(rows[0], trees):
+            log.append((t.tokens.tolist(), t.parents.tolist()))
+        return verify_rows(trees, logits, *args)
+    monkeypatch.setattr(batch_mod, "verify_rows", recording)
     alone = []
     for p in picks:
         log = []
-
-        def recording(t, logits, log=log):
-            log.append((t.tokens.tolist(), t.parents.tolist()))
-            return verify_greedy(t, logits)
-        monkeypatch.setattr(generate_mod, "verify_greedy", recording)
+        rows[:] = [[log]]
         alone.append((SpeculativeGenerator(b, tree).generate(p, MAX_NEW), log))
-    accept = BatchedGenerator._accept
     for size in (1, 4):
         logs = {}
-
-        def recording_accept(self, trees, logits, feats, logs=logs):
-            for r, t in zip(self.active, trees):
-                logs.setdefault(r.index, []).append((t.tokens.tolist(), t.parents.tolist()))
-            accept(self, trees, logits, feats)
-        monkeypatch.setattr(BatchedGenerator, "_accept", recording_accept)
         gen = BatchedGenerator(batch_backend(b, size, tree.max_nodes), Schedule.fixed(tree))
         reqs = [gen.submit(p, MAX_NEW) for p in picks]
-        gen.run()
+        while not gen.idle:
+            gen._admit()
+            rows[:] = [[logs.setdefault(r.index, []) for r in gen.active]]
+            gen.step()
         for r, (w, log) in zip(reqs, alone):
             assert r.result.output_ids == w.output_ids
             assert r.result.accept_lengths == w.accept_lengths, (size, r.index)
@@ -337,7 +360,7 @@ def test_ort_sampling_through_dynamic_trees_is_reproducible_whatever_the_batch(o
     cfg = SamplingConfig(temperature=0.9, top_p=0.95, seed=99)
     want = SpeculativeGenerator(ort_engine.backend, tree, cfg).generate(prompts[7], MAX_NEW).output_ids
     for others in (0, 4):
-        gen = ort_engine.batcher(6, Schedule.fixed(tree), solo=False)
+        gen = ort_engine.batcher(6, Schedule.fixed(tree))
         for j in range(others):
             gen.submit(prompts[j + 8], MAX_NEW, SamplingConfig(temperature=[0.0, 0.7][j % 2], seed=j))
         req = gen.submit(prompts[7], MAX_NEW, cfg)
@@ -419,36 +442,60 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
 # ------------------------------------------------------------------------------------------------ alone in flight
 
 def test_a_request_alone_runs_the_single_request_path_bit_identically(ort_engine, prompts):
-    """One request at a time through the batcher (max batch 4, and max batch 1 with requests queued behind) is the
-    single-request generator itself: the same tokens, cycles and accepted lengths, greedy and sampled; sampled, it
-    is also what the same request decodes batched."""
+    """One request at a time through the batcher (max batch 4: a batch of one in the slots; max batch 1 with
+    requests queued behind: the engine's own backend) decodes what the single-request generator decodes with the
+    same tree: the same tokens, cycles and accepted lengths, greedy and sampled; by default with the engine's own
+    tree; sampled, it is also what the same request decodes batched."""
     schedule = Schedule.parse("1:chain:3")          # fixed: the engine's stored one may change with the tuning test
     for sampling in (SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=11)):
-        # greedy: the engine's own generator; sampled: the schedule's tree at one request (the draws of a batch)
-        alone = ort_engine.generator(sampling) if sampling.greedy else \
-            SpeculativeGenerator(ort_engine.backend, schedule.tree(1), sampling)
-        want = [alone.generate(p, MAX_NEW) for p in prompts[:4]]
-        gen = ort_engine.batcher(4, schedule)
-        got = []
-        for p in prompts[:4]:
-            got.append(gen.submit(p, MAX_NEW, sampling))
-            gen.step()
-            assert not gen.active and (gen.solo is not None or got[-1].done)   # alone: the single-request lane
-            gen.run()
-        one = ort_engine.batcher(1, schedule)
-        queued = [one.submit(p, MAX_NEW, sampling) for p in prompts[:4]]
-        while not one.idle:
-            one.step()
-            assert one.in_flight <= 1 and not one.active
-        for w, r, q in zip(want, got, queued):
-            for x in (r, q):
-                assert x.error is None and x.result.output_ids == w.output_ids
-                assert (x.result.cycles, x.result.accept_lengths) == (w.cycles, w.accept_lengths)
+        for given, alone in ((schedule, SpeculativeGenerator(ort_engine.backend, schedule.tree(1), sampling)),
+                             (None, ort_engine.generator(sampling))):
+            want = [alone.generate(p, MAX_NEW) for p in prompts[:4]]
+            gen = ort_engine.batcher(4, given)
+            got = []
+            for p in prompts[:4]:
+                got.append(gen.submit(p, MAX_NEW, sampling))
+                gen.step()
+                assert len(gen.active) <= 1                 # alone: a batch of one
+                gen.run()
+            one = ort_engine.batcher(1, given)
+            queued = [one.submit(p, MAX_NEW, sampling) for p in prompts[:4]]
+            while not one.idle:
+                one.step()
+                assert one.in_flight <= 1
+            for w, r, q in zip(want, got, queued):
+                for x in (r, q):
+                    assert x.error is None and x.result.output_ids == w.output_ids
+                    assert (x.result.cycles, x.result.accept_lengths) == (w.cycles, w.accept_lengths)
         if not sampling.greedy:
+            want = [SpeculativeGenerator(ort_engine.backend, schedule.tree(1), sampling).generate(p, MAX_NEW)
+                    for p in prompts[:4]]
             many = ort_engine.batcher(4, schedule)
             batched = [many.submit(p, MAX_NEW, sampling) for p in prompts[:4]]
             many.run()
             assert [r.result.output_ids for r in batched] == [w.output_ids for w in want]
+
+
+@pytest.mark.parametrize("name", ["llama/eagle3", "qwen2/eagle1", "ort"])
+def test_a_lone_request_in_the_slots_is_bit_identical_to_the_single_request_path(name, backends, prompts, request):
+    """A request decoded alone in a batched backend's slots gives the output, cycles and accepted lengths the
+    single-request generator gives on the single-request backend, for every tree kind, greedy and sampled; greedy,
+    both equal vanilla decoding (itself checked against transformers in test_exactness)."""
+    b = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
+    trees = ["chain:3", "dynamic:10/4/3", "dynamic:16/6/4"] + (["static"] if name != "ort" else [])
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=5)):
+        vanilla = [VanillaGenerator(b, sampling).generate(p, MAX_NEW) for p in prompts[:6]]
+        for text in trees:
+            tree = TreeConfig.parse(text)
+            single = [SpeculativeGenerator(b, tree, sampling).generate(p, MAX_NEW) for p in prompts[:6]]
+            gen = BatchedGenerator(batch_backend(b, 4, tree.max_nodes), Schedule.fixed(tree))
+            for p, w, v in zip(prompts[:6], single, vanilla):
+                r = gen.submit(p, MAX_NEW, sampling)
+                gen.run()
+                assert r.error is None and r.result.output_ids == w.output_ids, (text, sampling)
+                assert (r.result.cycles, r.result.accept_lengths) == (w.cycles, w.accept_lengths), (text, sampling)
+                if sampling.greedy:
+                    assert w.output_ids == v.output_ids, text
 
 
 def test_requests_joining_a_request_alone_batch_next_to_it(ort_engine, prompts):
@@ -467,7 +514,7 @@ def test_requests_joining_a_request_alone_batch_next_to_it(ort_engine, prompts):
 
     first = gen.submit(prompts[0], MAX_NEW)
     gen.step()
-    assert not gen.active and gen.solo is not None, "a longer first prompt is needed for this test"
+    assert len(gen.active) == 1 and not first.done, "a longer first prompt is needed for this test"
     reqs = [first]
     for i, p in enumerate(prompts[1:], 1):
         kw = {"on_tokens": boom} if i == 2 else {"stop": cancel_soon} if i == 3 else {}
@@ -487,4 +534,4 @@ def test_requests_joining_a_request_alone_batch_next_to_it(ort_engine, prompts):
     solo_fail = gen.submit(prompts[1], MAX_NEW, on_tokens=boom)
     gen.run()
     assert isinstance(solo_fail.error, RuntimeError) and solo_fail.result.stop_reason == "error"
-    assert gen.idle and gen.solo is None
+    assert gen.idle

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import eaglex.runtime.batch as batch_mod
-import eaglex.runtime.generate as generate_mod
 from eaglex.cli import build_parser, main
 from eaglex.runtime.types import Verdict
 
@@ -72,8 +71,13 @@ def _accept_first_child(tree, logits, *args):
     return Verdict(torch.tensor(nodes), int(logits[nodes[-1]].argmax()))
 
 
+def _accept_first_children(trees, logits, *args):
+    """The wrong verifier in place of the generator core's (every generator runs it, alone or batched)."""
+    return [_accept_first_child(t, row) for t, row in zip(trees, logits)]
+
+
 def test_check_fails_on_a_broken_verifier(models, prompt_file, capsys, monkeypatch):
-    monkeypatch.setattr(generate_mod, "verify_greedy", _accept_first_child)
+    monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     rc = main(["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
                "--prompts", str(prompt_file), "--max-new-tokens", "24"])
     out = capsys.readouterr().out
@@ -82,12 +86,17 @@ def test_check_fails_on_a_broken_verifier(models, prompt_file, capsys, monkeypat
 
 def test_check_batched(models, prompt_file, capsys, monkeypatch):
     """--batch: each prompt decoded among the others by the batcher must equal it decoded alone; a batcher that
-    accepts draft tokens without looking at the target must fail the check."""
+    accepts draft tokens without looking at the target when it verifies several requests at once must fail the
+    check."""
     args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
             "--prompts", str(prompt_file), "--max-new-tokens", "24", "--batch", "4"]
     assert main(args) == 0, capsys.readouterr().out
     assert "6/6 identical to vanilla decoded alone when batched (up to 4 at a time" in capsys.readouterr().out
-    monkeypatch.setattr(batch_mod, "verify_greedy", _accept_first_child)
+    verify_rows = batch_mod.verify_rows
+
+    def broken_when_batched(trees, *args):
+        return (_accept_first_children if len(trees) > 1 else verify_rows)(trees, *args)
+    monkeypatch.setattr(batch_mod, "verify_rows", broken_when_batched)
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "6/6 identical to vanilla (" in out and "batched output differs from vanilla decoded alone" in out
@@ -100,7 +109,7 @@ def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
     args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
             "--temperature", "5", "--samples", "400", "--tree", "dynamic:8/4/3"]
     assert main(args) == 0, capsys.readouterr().out
-    monkeypatch.setattr(generate_mod, "verify_sampling", _accept_first_child)
+    monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     assert main(args) == 1
 
 

@@ -5,6 +5,7 @@ tests/test_device.py.
 
 - fp32: transformers greedy == eaglex vanilla == speculative, token for token, for every case of the
   equivalence suite (tests/test_exactness.py), with CUDA graphs (the CUDA default) and eagerly;
+- in-flight batching on the device equals vanilla decoding per request (1, 4 and 16 requests at a time);
 - CUDA graphs are captured and replayed, and a speculative cycle synchronises with the host at most twice
   (once to read the drafted tree, once for the accept decision);
 - bf16: `eaglex check` reports every divergence from vanilla with the target's logit margin there;
@@ -98,6 +99,31 @@ def test_eager_on_device_matches(target, models, cases_prompts, reference):
     gen = SpeculativeGenerator(backend, TreeConfig.parse("dynamic:60/8/10"))
     for i, p in enumerate(cases_prompts[:8]):
         assert gen.generate(p, MAX_NEW).output_ids == reference[target][1][i], f"prompt {i} diverged"
+
+
+def test_batching_on_the_device_matches_vanilla(models, cases_prompts, reference):
+    """In-flight batching on DEVICE (every slot on the device; fixed shapes per batch size, captured as CUDA graphs
+    there): every request's output is its vanilla one, 1, 4 and 16 requests at a time, vanilla-batched and
+    EAGLE-batched; a request alone in the slots is bit-identical to the single-request path."""
+    from eaglex.runtime.batch import BatchedGenerator, Schedule
+    from eaglex.runtime.batch_backend import batch_backend
+
+    backend = TorchBackend(models["llama"], models["llama/eagle3"], device=DEVICE, mode=MODE)
+    _, want = reference["llama"]
+    for text in ("1:vanilla", "1:dynamic:16/6/4,2:chain:3"):
+        s = Schedule.parse(text)
+        for size in (1, 4) if QUICK else (1, 4, 16):
+            gen = BatchedGenerator(batch_backend(backend, size, s.max_nodes), s)
+            reqs = [gen.submit(p, MAX_NEW) for p in cases_prompts]
+            gen.run()
+            assert [r.result.output_ids for r in reqs] == want, (text, size)
+    tree = TreeConfig.parse("dynamic:16/6/4")
+    gen = BatchedGenerator(batch_backend(backend, 4, tree.max_nodes), Schedule.fixed(tree))
+    for p in cases_prompts[:4]:
+        w = SpeculativeGenerator(backend, tree).generate(p, MAX_NEW)
+        r = gen.submit(p, MAX_NEW)
+        gen.run()
+        assert (r.result.output_ids, r.result.accept_lengths) == (w.output_ids, w.accept_lengths)
 
 
 @cuda_only

@@ -16,6 +16,7 @@ import torch
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
+from eaglex.runtime.backend import ONE
 from eaglex.runtime.manifest import MANIFEST, read_manifest
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
@@ -83,22 +84,22 @@ def test_draft_steps_match_torch(engines, models):
     for b in (ob, tb):
         b.reset(64)
     ids = torch.randint(0, 48, (1, 9), generator=g)
-    outs = [b.target_forward(ids, torch.arange(9)[None], None) for b in (ob, tb)]
+    outs = [b.target_forward(ONE, ids, torch.arange(9)[None], None) for b in (ob, tb)]
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-4) and torch.allclose(outs[0][1], outs[1][1], atol=1e-4)
     feats = outs[1][1]
     steps = [(feats[:, :8], ids[:, 1:], torch.arange(8)[None], None, True),
              (torch.randn(1, 3, 96, generator=g), torch.tensor([[5, 6, 7]]), torch.full((1, 3), 8),
               torch.tensor([[[True, False, False], [True, True, False], [True, False, True]]]), False)]
     for i, (h, t, pos, mask, project) in enumerate(steps):
-        res = [b.draft_forward(h, t, pos, mask, project, 4) for b in (ob, tb)]
+        res = [b.draft_forward(ONE, h, t, pos, mask, project, 4) for b in (ob, tb)]
         assert torch.allclose(res[0][0], res[1][0], atol=1e-4)
         assert torch.allclose(res[0][1], res[1][1], atol=1e-4)
         assert torch.equal(res[0][2], res[1][2])
         if i == 0:
             for b in (ob, tb):
-                b.draft_commit(torch.arange(8))
+                b.draft_commit(0, torch.arange(8))
     for b in (ob, tb):
-        b.draft_rollback()
+        b.draft_rollback(ONE)
 
 
 @pytest.mark.parametrize("policy", ["holes", "compact"])
@@ -146,12 +147,12 @@ def test_kv_holes_logits_match_compacted(engines, monkeypatch):
         monkeypatch.setattr(ort_cache, "HOLES_SHARE", share)
         b = OrtBackend(engines["llama-eagle3"])
         b.reset(64)
-        b.target_forward(ids, torch.arange(12)[None], None)
-        b.target_commit(torch.tensor([0, 1, 2, 3, 4, 5, 6]))           # 7 of 12 prefill rows: a prefix
-        b.target_forward(tree, torch.tensor([[7, 8, 8, 9, 9]]), mask)
-        b.target_commit(torch.tensor([0, 2, 4]))                         # a path through the tree
+        b.target_forward(ONE, ids, torch.arange(12)[None], None)
+        b.target_commit(0, torch.tensor([0, 1, 2, 3, 4, 5, 6]))           # 7 of 12 prefill rows: a prefix
+        b.target_forward(ONE, tree, torch.tensor([[7, 8, 8, 9, 9]]), mask)
+        b.target_commit(0, torch.tensor([0, 2, 4]))                         # a path through the tree
         assert b.tcache.length == 10 and b.tcache.rows == rows
-        out.append(b.target_forward(tree, torch.tensor([[10, 11, 11, 12, 12]]), mask))
+        out.append(b.target_forward(ONE, tree, torch.tensor([[10, 11, 11, 12, 12]]), mask))
     assert torch.allclose(out[0][0], out[1][0], atol=1e-5) and torch.allclose(out[0][1], out[1][1], atol=1e-5)
 
 

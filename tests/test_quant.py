@@ -22,6 +22,7 @@ from safetensors import safe_open
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
+from eaglex.runtime.backend import ONE
 from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
 from eaglex.export import quantize as q
@@ -416,18 +417,18 @@ def test_row_independent_cache_keeps_holes_within_its_bound(float_engine, tmp_pa
     b = OrtBackend(e)
     b.reset(64)
     b.tcache.holes_within = 16                       # the engine's bound (1024) scaled to this test
-    b.target_forward(torch.arange(10, 18)[None], torch.arange(8)[None], None)
-    b.target_commit(torch.arange(8))
-    logits, feats = b.target_forward(torch.tensor([[5]]), torch.tensor([[8]]), None)
+    b.target_forward(ONE, torch.arange(10, 18)[None], torch.arange(8)[None], None)
+    b.target_commit(0, torch.arange(8))
+    logits, feats = b.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
     assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 1
-    b.target_commit(torch.arange(1))
-    b.target_forward(torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
-    b.target_commit(torch.tensor([0, 2]))                          # the middle row rejected: a hole
+    b.target_commit(0, torch.arange(1))
+    b.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
+    b.target_commit(0, torch.tensor([0, 2]))                          # the middle row rejected: a hole
     assert (b.tcache.rows, b.tcache.length) == (12, 11) and not b.tcache.valid.all()
-    b.target_forward(torch.tensor([[9, 10, 11, 12]]), torch.arange(11, 15)[None], None)   # 12 + 4 keys: holes stay
-    b.target_commit(torch.tensor([0]))
+    b.target_forward(ONE, torch.tensor([[9, 10, 11, 12]]), torch.arange(11, 15)[None], None)   # 12 + 4 keys: holes stay
+    b.target_commit(0, torch.tensor([0]))
     assert (b.tcache.rows, b.tcache.length) == (16, 12)
-    b.target_forward(torch.tensor([[13]]), torch.tensor([[12]]), None)         # 16 + 1 keys: compacts first
+    b.target_forward(ONE, torch.tensor([[13]]), torch.tensor([[12]]), None)         # 16 + 1 keys: compacts first
     assert b.tcache.rows == b.tcache.length == 12 and b.tcache.valid.all() and b.tcache.pending == 1
 
 
@@ -464,14 +465,14 @@ def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, calibrated
     b = OrtBackend(e)
     b.reset(64)
     ids = torch.arange(10, 18)[None]
-    b.target_forward(ids, torch.arange(8)[None], None)
-    b.target_commit(torch.arange(8))
-    logits, feats = b.target_forward(torch.tensor([[5]]), torch.tensor([[8]]), None)
+    b.target_forward(ONE, ids, torch.arange(8)[None], None)
+    b.target_commit(0, torch.arange(8))
+    logits, feats = b.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
     assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 2
-    b.target_commit(torch.arange(1))
+    b.target_commit(0, torch.arange(1))
     assert b.tcache.rows == b.tcache.length == 9 and b.tcache.valid.all()
-    b.target_forward(torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
-    b.target_commit(torch.tensor([0, 1]))                          # the last row rejected
+    b.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
+    b.target_commit(0, torch.tensor([0, 1]))                          # the last row rejected
     assert b.tcache.rows == b.tcache.length == 11 and b.tcache.valid.all()
 
 
