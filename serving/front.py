@@ -20,6 +20,7 @@ port is an internal loopback port. For each request the front:
   and closes the upstream connection when the client goes away, so that Triton cancels the request;
 - ends the requests the supervisor cuts (they were inside a backend process that died: Triton 2.51 never answers
   them) with a 503, or with an error event when their stream had begun, instead of leaving the client waiting;
+  a request whose connection to tritonserver breaks (it died) gets a 502, or likewise an error event;
 - serves `/v1/models`, `/v1/chat/completions` and `/v1/completions`: each request is checked (openai.py), sent to
   the model's generate_stream as one streamed generate request (so a client that hangs up cancels it the same
   way), and its events become OpenAI's chunks (`stream`) or one answer; errors take OpenAI's shape;
@@ -605,19 +606,32 @@ class Front:
         except _Cut as e:
             if sent is None:
                 raise HttpError(503, str(e), {"Retry-After": "5"}, close=True) from None
-            if sent != "exact":                       # an event stream under way: end it with an error event
-                event = b"data: " + error_body(str(e)) + b"\n\n"
-                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event) if sent == "chunked" else event)
-                await writer.drain()
+            await self._end_relay(writer, sent, str(e))
             return False
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             if isinstance(e, ConnectionResetError) and str(e) == "client gone":
                 raise
-            raise HttpError(502, "the connection to tritonserver broke (did it crash? the supervisor restarts it)",
-                            {"Retry-After": "5"}, close=True) from None
+            message = "the connection to tritonserver broke (did it crash? the supervisor restarts it)"
+            if sent is None:
+                raise HttpError(502, message, {"Retry-After": "5"}, close=True) from None
+            await self._end_relay(writer, sent, message)    # not a second response inside the first one's body
+            return False
         finally:
             self._untrack(model, cut, watcher, pending)
             up_writer.close()
+
+    @staticmethod
+    async def _end_relay(writer, sent: str, message: str) -> None:
+        """A relayed answer that cannot be finished: an event stream ends with an error event (and its last chunk);
+        a body of announced length is left short, the connection's end tells the client."""
+        if sent == "exact":
+            return
+        event = b"data: " + error_body(message) + b"\n\n"
+        try:
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event) if sent == "chunked" else event)
+            await writer.drain()
+        except ConnectionError:
+            pass
 
     async def _connect(self):
         target = self.sup.upstream()

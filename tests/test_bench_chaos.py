@@ -41,8 +41,9 @@ def test_outcome(record, expected):
     assert (expected in bench_serve.CLEAN) != (expected in bench_serve.UNCLEAN)
 
 
-def aiperf_record(seconds: float = 2.0, error: dict | None = None) -> dict:
-    return {"metadata": {"request_start_ns": 0, "request_end_ns": int(seconds * 1e9)}, "metrics": {},
+def aiperf_record(seconds: float = 2.0, error: dict | None = None, usage: bool = True) -> dict:
+    metrics = {"usage_completion_tokens": {"value": 48, "unit": "tokens"}} if usage and not error else {}
+    return {"metadata": {"request_start_ns": 0, "request_end_ns": int(seconds * 1e9)}, "metrics": metrics,
             "error": error}
 
 
@@ -51,9 +52,11 @@ def test_aiperf_outcomes_count_errors_and_hangs():
     stream = {"code": 502, "type": "SSEResponseError", "message": "Error occurred in SSE response"}
     records = [aiperf_record(), aiperf_record(), aiperf_record(error=unavailable), aiperf_record(error=unavailable),
                aiperf_record(error=stream), aiperf_record(61.0, {"code": 0, "type": "TimeoutError", "message": "t"}),
-               aiperf_record(70.0)]                                     # completed, but past the deadline
+               aiperf_record(70.0),                                     # completed, but past the deadline
+               aiperf_record(usage=False)]                              # "completed": our error event, unseen
     got = bench_serve.aiperf_outcomes(records, deadline=60.0)
-    assert (got["requests"], got["completed"], got["errored"], got["hung"]) == (7, 3, 4, 2)
+    assert (got["requests"], got["completed"], got["errored"], got["hung"]) == (8, 4, 4, 2)
+    assert got["completed_without_usage"] == 1
     assert got["errors"][0] == {"code": 503, "type": "Service Unavailable", "count": 2,
                                 "message": '{"error": {"message": "model away"}}'}
     assert sorted(e["count"] for e in got["errors"]) == [1, 1, 2]

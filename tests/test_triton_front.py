@@ -112,7 +112,7 @@ class FakeSupervisor:
         return (True, True, "") if self.ready else (False, False, "restarting")
 
     def model_ready(self, name):
-        if name not in ("m", "sick"):
+        if name not in ("m", "sick", "crash"):
             return None, ""
         return (True, "") if self.ready else (False, f"model {name} is not ready: restarting")
 
@@ -141,7 +141,11 @@ class FakeTriton:
         headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         body = await reader.readexactly(int(headers.get("content-length", 0)))
         self.requests.append((method, path, headers, body))
-        if path.endswith("/generate_stream"):
+        if path.startswith("/v2/models/crash/"):             # tritonserver killed mid-stream: no last chunk
+            event = b'data: {"n": 0}\n\n'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(event), event))
+        elif path.endswith("/generate_stream"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
             for i in range(50):
                 event = b"data: {\"n\": %d}\n\n" % i
@@ -296,6 +300,21 @@ def test_cut_requests_end_with_503_or_an_error_event():
         assert len(handles) == 1 and front.cut(handles, "late") == 0
         for writer in (waiting_w, stream_w, w):
             writer.close()
+    run(scenario)
+
+
+def test_a_stream_whose_upstream_dies_ends_with_an_error_event():
+    """tritonserver killed mid-stream (its connection ends without the last chunk): the client's stream ends with an
+    error event and its own last chunk, not with a second HTTP response written inside the body; the connection
+    then closes."""
+    async def scenario(front, sup, fake):
+        r, w = await asyncio.open_connection("127.0.0.1", front.port)
+        w.write(request("POST", "/v2/models/crash/generate_stream", b'{"text_input": "hi", "stream": true}'))
+        status, _, body = await read_response(r)
+        events = [json.loads(e[5:]) for e in body.decode().split("\n\n") if e.startswith("data:")]
+        assert status == 200 and events[0] == {"n": 0} and "tritonserver broke" in events[-1]["error"], body
+        assert len(events) == 2 and await asyncio.wait_for(r.read(), 5) == b""
+        w.close()
     run(scenario)
 
 

@@ -73,7 +73,7 @@ from eaglex.runtime.batch import Schedule
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.manifest import MANIFEST, read_manifest
 from eaglex.serving import control
-from eaglex.serving.config import ServeConfig
+from eaglex.serving.config import SERVER_LOG, SUPERVISOR_LOG, ServeConfig
 from eaglex.serving.processes import stubs
 from eaglex.serving.repository import write_repository
 
@@ -300,9 +300,12 @@ def outcome(rec: dict, want: list[int], deadline: float) -> str:
 def aiperf_outcomes(records: list[dict], deadline: float) -> dict:
     """AIPerf's per-request export (profile_export.jsonl: one {metadata, metrics, error} per request) -> completed,
     errored, hung (an error of a timeout type, or a request that took `deadline`, AIPerf's request timeout), the
-    distinct errors with their counts (code, type, message)."""
+    distinct errors with their counts (code, type, message). `completed_without_usage`: requests AIPerf counts as
+    completed that got no `usage` from the server (AIPerf asks for it): streams the front ended with an error event
+    (`data: {"error": ...}`, OpenAI's shape), which AIPerf 0.13 takes for an ordinary chunk (it only recognizes SSE
+    `event: error`)."""
     errors: dict[tuple, int] = {}
-    completed = hung = 0
+    completed = hung = no_usage = 0
     for r in records:
         meta, err = r.get("metadata") or {}, r.get("error")
         seconds = (meta.get("request_end_ns", 0) - meta.get("request_start_ns", 0)) / 1e9
@@ -310,10 +313,12 @@ def aiperf_outcomes(records: list[dict], deadline: float) -> dict:
             hung += 1
         if not err:
             completed += 1
+            no_usage += (r.get("metrics") or {}).get("usage_completion_tokens") is None
             continue
         key = (err.get("code"), err.get("type"), " ".join(str(err.get("message") or "").split())[:160])
         errors[key] = errors.get(key, 0) + 1
-    return {"requests": len(records), "completed": completed, "errored": len(records) - completed, "hung": hung,
+    return {"requests": len(records), "completed": completed, "completed_without_usage": no_usage,
+            "errored": len(records) - completed, "hung": hung,
             "errors": [{"code": c, "type": t, "message": m, "count": n}
                        for (c, t, m), n in sorted(errors.items(), key=lambda kv: -kv[1])]}
 
@@ -424,8 +429,9 @@ def chaos_run(srv, kill: str, aiperf: str, tokenizer: Path, prompts, want, probe
               "aiperf_exited": exited, "aiperf_exit_code": proc.returncode if exited else None,
               "aiperf": aiperf_outcomes(records, deadline) if records is not None else None,
               "ours": {"requests": len(ours), **counts, "alive_after_join": sum(t.is_alive() for t in threads),
-                       "error_samples": sorted({f"{r['outcome']}: {str(r['error'])[:160]}" for r in ours
-                                                if r["error"]})[:6]},
+                       "error_samples": sorted({f"{r['outcome']}: {str(r['error'])[:160]}" if r["error"] else
+                                                f"{r['outcome']}: status {r['status']}, {len(r['ids'])} tokens, no "
+                                                "final event" for r in ours if r["outcome"] != "exact"})[:8]},
               "restarts": after.get("restarts", 0) - before.get("restarts", 0),
               "reloads": after.get("reloads", 0) - before.get("reloads", 0),
               "events": [e["event"] for e in after.get("events", []) if t_kill is not None
@@ -469,6 +475,9 @@ def chaos(srv, aiperf: str, tokenizer: Path, prompts, want, args, out: Path) -> 
               flush=True)
         if not srv.ready() and not wait_ready(srv, RECOVERY_S * 2):
             break                                     # the next run needs a server
+    for log in (SUPERVISOR_LOG, SERVER_LOG):          # what the supervisor saw, kept with AIPerf's artifacts
+        if (srv.folder / log).is_file():
+            shutil.copy(srv.folder / log, out / log)
     return runs
 
 
@@ -488,7 +497,8 @@ def chaos_markdown(runs: list[dict]) -> str:
     for r in runs:
         a, o = r["aiperf"] or {}, r["ours"]
         errs = "; ".join(f"{e['count']}× {e['code']} {e['type']}" for e in a.get("errors", [])) or "none"
-        lines.append(f"| {r['kill']} | {r['killed_after_s']} | {a.get('completed')} / {a.get('errored')} / "
+        lines.append(f"| {r['kill']} | {r['killed_after_s']} | {a.get('completed')} ({a.get('completed_without_usage')} "
+                     f"without usage) / {a.get('errored')} / "
                      f"{a.get('hung')} | {r['aiperf_exited']} ({r['aiperf_exit_code']}) | {errs} | {o['exact']} / "
                      f"{o['5xx']} / {o['stream error']} | {o['wrong']} / {o['cut']} / {o['4xx']} / {o['hung']} | "
                      f"{r['recovery_s']} | {r['restarts']} / {r['reloads']} |")
