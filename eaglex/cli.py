@@ -459,8 +459,8 @@ def cmd_tune(args) -> int:
 
     if layout(args.engine) != "engine":
         raise ModelError(f"{args.engine} is not an engine folder (`eaglex build`): tuning is stored in its manifest")
-    engine = open_engine(args.engine, threads=args.threads or None, device=args.device, providers=args.providers)
-    set_threads(args.threads or None, onnxruntime=True)
+    set_threads(args.threads or None, onnxruntime=True)          # before the engine's sessions open
+    engine = open_engine(args.engine, device=args.device, providers=args.providers)
     if engine.draft_kind is None:
         raise ModelError(f"{args.engine} has no draft head: there is no tree to tune")
     prompts = read_prompts(args.prompts, engine.tokenizer, args.chat)
