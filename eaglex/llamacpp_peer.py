@@ -195,7 +195,8 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
     if not files:
         return []
     # prompt lookup evaluates up to lookup_tokens + 1 rows past what it has yielded, and may hold accepted rows it
-    # has not yielded yet: room for three such steps past the answer (one overflowed on a long prompt)
+    # has not yielded yet: room for three such steps past the answer. (On the long hand-written prompts
+    # llama-cpp-python 0.3.36 still overflows its score buffer in Llama.eval with this room: not a context bound.)
     n_ctx = max(len(p) for p in prompts) + max_new_tokens + 3 * (cfg.lookup_tokens + 1)
     runs = {("greedy", e): _load(path, n_ctx, threads) for e, path in files.items()}
     base = ("greedy", "F32" if "F32" in files else next(iter(files)))
