@@ -138,8 +138,11 @@ def _encoding(path: Path) -> str:
 
 def _load(path: Path, n_ctx: int, threads: int, draft=None):
     from llama_cpp import Llama
+    # With a draft model llama-cpp-python keeps logits for every row but sizes its score buffer by `logits_all`
+    # (n_batch = 512 rows when False): past 512 tokens of context Llama.eval overflows it. logits_all=True sizes it
+    # to the context.
     return Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
-                 draft_model=draft, verbose=False)
+                 draft_model=draft, logits_all=draft is not None, verbose=False)
 
 
 def _generate(llm, prompt: list[int], limit: int, eos: set[int]) -> tuple[list[int], float]:
@@ -195,8 +198,7 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
     if not files:
         return []
     # prompt lookup evaluates up to lookup_tokens + 1 rows past what it has yielded, and may hold accepted rows it
-    # has not yielded yet: room for three such steps past the answer. (On the long hand-written prompts
-    # llama-cpp-python 0.3.36 still overflows its score buffer in Llama.eval with this room: not a context bound.)
+    # has not yielded yet: room for three such steps past the answer
     n_ctx = max(len(p) for p in prompts) + max_new_tokens + 3 * (cfg.lookup_tokens + 1)
     runs = {("greedy", e): _load(path, n_ctx, threads) for e, path in files.items()}
     base = ("greedy", "F32" if "F32" in files else next(iter(files)))

@@ -223,3 +223,17 @@ def test_a_file_llama_cpp_dies_on_loses_its_rows_only(tiny_target, monkeypatch):
                                 log=lines.append)
     assert sorted(r.device for r in rows) == ["cpu F32", "cpu F32", "cpu source"]
     assert len(lines) == 1 and "Q8_0 rows skipped" in lines[0] and "signal 11" in lines[0]
+
+
+def test_prompt_lookup_decodes_past_its_batch_rows(tiny_target):
+    """llama-cpp-python sizes its score buffer by n_batch (512 rows) unless logits_all, though a draft model keeps
+    every row's logits: past 512 tokens of context its Llama.eval overflowed (the long hand-written prompts)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    src, _ = tiny_target
+    rng = np.random.default_rng(1)
+    prompt = (rng.integers(3, 260, 40).tolist() * 15)[:600]      # repeats, so that the lookup drafts
+    greedy = P._generate(P._load(src, 700, 1), prompt, 12, set())
+    lookup = P._generate(P._load(src, 700, 1, draft=LlamaPromptLookupDecoding(num_pred_tokens=10)), prompt, 12,
+                         set())
+    assert len(greedy[0]) == 12 and lookup[0] == greedy[0]
