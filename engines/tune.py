@@ -11,10 +11,11 @@ import platform
 import sys
 
 from eaglex.runtime.autotune import autotune
-from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, BATCH_TOKENS, tune_schedule
+from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, BATCH_TOKENS, BATCH_TREES, tune_schedule
 from eaglex.runtime.batch_backend import batch_backend
 from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.manifest import read_manifest, write_manifest
+from eaglex.runtime.types import TreeConfig
 
 # Tokens per tuning prompt: a chat answer's length, not just its opening. An answer's opening is drafted worse than
 # its body, so short runs undervalue trees against chains and weigh the prefill more: on SmolLM2 (2 cores) tuning at
@@ -63,17 +64,22 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
 
 
 def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, write: bool = True) -> None:
-    """Measure the batch schedule (runtime/batch.tune_schedule: vanilla batching vs chains at 1..16 requests in
-    flight) and store it as the manifest's `batch_schedule`, with the measured table under tuning.batch."""
+    """Measure the batch schedule (runtime/batch.tune_schedule: vanilla batching vs chains and the trees of
+    batch_trees at 1..16 requests in flight) and store it as the manifest's `batch_schedule`, with the measured
+    table under tuning.batch."""
     if not getattr(engine.backend, "batch_exact", True):
         log("in-flight batching: off for this engine (its exactness rules keep requests apart)")
         return
-    log("tuning in-flight batching (vanilla vs chains at 1, 2, 4, 8, 16 requests, until vanilla wins) ...")
-    # slots as long as the tuning requests need: the model's whole context in every slot could exceed the memory
-    context = max(len(p) for p in prompts) + BATCH_TOKENS
+    trees = batch_trees(engine.tree or engine.kept_tree)
+    log(f"tuning in-flight batching (vanilla vs chains{''.join(f', {t}' for t in trees)} at "
+        f"{', '.join(map(str, BATCH_SIZES))} requests, until vanilla wins) ...")
+    # Slots as long as the tuning requests need (the model's whole context in every slot could exceed the memory),
+    # with room for the largest tree after the last token, so that every candidate drafts to the end.
+    nodes = max([k + 1 for k in BATCH_CHAINS] + [t.max_nodes for t in trees])
+    context = max(len(p) for p in prompts) + BATCH_TOKENS + nodes
     backend = batch_backend(BoundedContext(engine.backend, min(context, engine.spec.max_context)), max(BATCH_SIZES),
-                            max(BATCH_CHAINS) + 1)
-    schedule, table = tune_schedule(backend, prompts)
+                            nodes)
+    schedule, table = tune_schedule(backend, prompts, trees=trees)
     for size, row in table.items():
         log(f"  {size:>2} requests: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()) + " tokens/s")
     log(f"  -> {schedule}")
@@ -83,6 +89,18 @@ def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, w
     manifest.setdefault("tuning", {})["batch"] = {str(k): v for k, v in table.items()}
     if write:
         _write(engine, manifest, "batch schedule")
+
+
+def batch_trees(own: TreeConfig | None) -> tuple[TreeConfig, ...]:
+    """The trees batch tuning tries beside the chains: the engine's own single-request tree, and the trees of
+    BATCH_TREES smaller than it. When the single-request tuning picked a chain, the dynamic trees of its ladder
+    (BATCH_TREES among them) lost to that chain with one request in flight, and a tree that loses to a chain does
+    not win with more (tune_schedule): the chain alone is tried then."""
+    if own is None:
+        return BATCH_TREES
+    if own.kind == "chain":
+        return (own,)
+    return (own,) + tuple(t for t in BATCH_TREES if t.max_nodes < own.max_nodes)
 
 
 def _kept(tree, head: str) -> str:

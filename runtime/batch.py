@@ -374,37 +374,55 @@ class BatchedGenerator:
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 BATCH_CHAINS = (1, 2, 3, 4)
+# Trees tried beside the chains (with the engine's own single-request tree, engines/tune.py): the smallest dynamic
+# tree of the single-request ladder (runtime/autotune.py), the cheapest tree that still branches.
+BATCH_TREES = (TreeConfig.parse("dynamic:6/4/2"),)
 BATCH_TOKENS = 24              # new tokens per request while tuning
 
 
+def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: int, max_new_tokens: int
+              ) -> tuple[float, list[Request]]:
+    """`size` requests (prompts cycled) started together on `tree` (None: vanilla) in a batched backend with at
+    least `size` slots, run to the end -> (aggregate tokens/s after their admission, the requests in submission
+    order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
+    gen = BatchedGenerator(backend, Schedule.fixed(tree))
+    reqs = [gen.submit(prompts[i % len(prompts)], max_new_tokens) for i in range(size)]
+    gen.step()
+    running = list(gen.active)
+    tokens = -sum(len(r.result.output_ids) for r in running)
+    t = time.perf_counter()
+    gen.run()
+    seconds = time.perf_counter() - t
+    tokens += sum(len(r.result.output_ids) for r in running)
+    return tokens / max(seconds, 1e-9), reqs
+
+
 def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BATCH_SIZES,
-                  chains: tuple[int, ...] = BATCH_CHAINS, max_new_tokens: int = BATCH_TOKENS
-                  ) -> tuple[Schedule, dict[int, dict[str, float]]]:
-    """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching and of each chain
-    with B requests in flight (prompts cycled; candidates interleaved per size) and pick the schedule from the
-    table (schedule_from). Once vanilla batching wins at some B, larger sizes are not measured: the schedule runs
-    vanilla there anyway. Dynamic trees are not among the candidates: each would add a full pass over every size to
-    the tuning time, and a schedule with one can be given by hand (Schedule.parse).
+                  chains: tuple[int, ...] = BATCH_CHAINS, trees: tuple[TreeConfig, ...] = BATCH_TREES,
+                  max_new_tokens: int = BATCH_TOKENS) -> tuple[Schedule, dict[int, dict[str, float]]]:
+    """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
+    of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
+    size) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger sizes
+    are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then only
+    while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
+    wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
+    not win at more; this keeps their cost to the sizes where they can win. Trees other than chains are left out
+    for an engine exact with chains only (`exact_trees`).
     `backend`: a batched backend with at least max(sizes) slots. -> (schedule, {B: {tree: tokens/s}})."""
-    candidates = [None] + [TreeConfig.chain(k) for k in chains] if backend.draft_kind else [None]
+    ladder, wide = [], []
+    if backend.draft_kind:
+        chain_only = getattr(backend, "exact_trees", None) == "chain"
+        ladder = [TreeConfig.chain(k) for k in chains]
+        wide = [t for t in dict.fromkeys(trees) if t not in ladder and (t.kind == "chain" or not chain_only)]
     table: dict[int, dict[str, float]] = {}
-    warm = BatchedGenerator(backend, Schedule.fixed(candidates[-1]))
-    warm.submit(prompts[0], 4)
-    warm.run()
+    for tree in [None] + ladder + wide:             # warm-up: a first call of each candidate's shapes allocates
+        run_batch(backend, tree, prompts, 1, 4)
     for B in sizes:
+        last = table[max(table)] if table else None
+        try_wide = last is None or max(last, key=last.get) in map(str, wide)
         rates = {}
-        for tree in candidates:
-            gen = BatchedGenerator(backend, Schedule.fixed(tree))
-            for i in range(B):
-                gen.submit(prompts[i % len(prompts)], max_new_tokens)
-            gen.step()                      # admission (prefills) is the same for every candidate: not timed
-            t = time.perf_counter()
-            tokens = -sum(len(r.result.output_ids) for r in gen.active)
-            done = []
-            while gen.active:
-                done += gen.step()
-            tokens += sum(len(r.result.output_ids) for r in done)
-            rates[str(tree or "vanilla")] = round(tokens / max(time.perf_counter() - t, 1e-9), 2)
+        for tree in [None] + ladder + (wide if try_wide else []):
+            rates[str(tree or "vanilla")] = round(run_batch(backend, tree, prompts, B, max_new_tokens)[0], 2)
         table[B] = rates
         if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
             break

@@ -24,7 +24,9 @@ from eaglex.runtime.verify import verify_rows
 MAX_NEW = 40
 # vanilla, chains and dynamic trees, mixed by batch size (with slots=5 every batch size up to 5 occurs)
 MIXED = "1:dynamic:8/4/3,2:dynamic:6/3/2,4:chain:2"
-SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4")
+# what batch tuning picks when trees win at small batches (engines/tune.batch_trees: the engine's tree, a smaller one)
+TUNED = "1:dynamic:12/6/4,3:dynamic:6/4/2,5:vanilla"
+SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4", TUNED)
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +60,20 @@ def test_batched_greedy_equals_alone_vanilla(name, schedule, backends, alone, pr
     max_new = [rng.choice([1, 7, MAX_NEW]) for _ in prompts]
     s = Schedule.parse(schedule)
     gen = BatchedGenerator(TorchBatchBackend(backends[name], slots=5, extra_rows=s.max_nodes), s)
+    ran, step = set(), gen.step
+
+    def step_and_record():
+        out = step()
+        ran.add(gen.last_tree)
+        return out
+    gen.step = step_and_record
     reqs = _staggered(gen, prompts, max_new, rng)
     assert [r.index for r in reqs] == list(range(len(prompts)))
     for r, want, n in zip(reqs, alone[name], max_new):
         assert r.done and r.error is None
         assert r.result.output_ids == want[:n], (r.index, schedule)
-    if schedule != "1:vanilla":
+    assert set(s.trees) <= ran, ran                         # every tree of the schedule decoded some steps
+    if None not in {s.tree(b) for b in range(1, 6)}:        # speculating at every batch size up to the 5 slots
         assert sum(sum(r.result.accept_lengths) for r in reqs) > 1.5 * sum(r.result.cycles for r in reqs)
 
 
@@ -154,6 +164,15 @@ def test_schedule_grammar():
     d = Schedule.parse("1:dynamic:16/6/4,2:chain:3,4:vanilla")
     assert str(d) == "1:dynamic:16/6/4,2:chain:3,4:vanilla" and d.tree(3) == TreeConfig.chain(3)
     assert (d.max_nodes, d.draft_rows, d.top_k) == (16, 20, 4)    # 5 draft levels of 4 rows after the first
+    t = Schedule.parse(TUNED)
+    assert str(t) == TUNED and Schedule.parse(str(t)) == t
+    assert [str(t.tree(b) or "vanilla") for b in (1, 2, 3, 4, 5, 16)] == ["dynamic:12/6/4"] * 2 + \
+        ["dynamic:6/4/2"] * 2 + ["vanilla"] * 2
+    assert (t.max_nodes, t.top_k) == (12, 4)
+    mixed = Schedule.parse("1:static,2:dynamic:6/4/2,4:chain:1,8:vanilla")
+    assert Schedule.parse(str(mixed)) == mixed and mixed.trees == [TreeConfig("static"),
+                                                                   TreeConfig.parse("dynamic:6/4/2"),
+                                                                   TreeConfig.chain(1)]
     st = Schedule.parse("1:static")           # mc_sim_7b_63: 26 nodes, ranks 0-3, 10 rows expanded below the root
     assert (st.max_nodes, st.draft_rows, st.top_k) == (26, 10, 4)
     for bad in ("2:chain:3", "1:chain:3,1:vanilla", "x", "1:chain"):
@@ -179,6 +198,45 @@ def test_schedule_grammar():
 ])
 def test_schedule_from_a_measured_table(table, expected):
     assert str(schedule_from(table)) == expected
+
+
+WIDE = tuple(TreeConfig.parse(t) for t in ("dynamic:12/6/4", "dynamic:6/4/2"))
+
+
+@pytest.mark.parametrize("speeds, exact_trees, measured, expected", [
+    # a dynamic tree fastest at 1 and 2: the trees are measured again at 2 and 4; a chain fastest at 4: not at 8
+    ({1: {"vanilla": 40, "chain:2": 50, "dynamic:12/6/4": 60, "dynamic:6/4/2": 55},
+      2: {"vanilla": 70, "chain:2": 90, "dynamic:12/6/4": 80, "dynamic:6/4/2": 95},
+      4: {"vanilla": 120, "chain:2": 150, "dynamic:12/6/4": 100, "dynamic:6/4/2": 140},
+      8: {"vanilla": 200, "chain:2": 240}, 16: {"vanilla": 300, "chain:2": 290}},
+     None, {1: 4, 2: 4, 4: 4, 8: 2, 16: 2}, "1:dynamic:12/6/4,2:dynamic:6/4/2,4:chain:2,16:vanilla"),
+    # a chain fastest alone: the trees are measured with one request only
+    ({1: {"vanilla": 40, "chain:2": 60, "dynamic:12/6/4": 50, "dynamic:6/4/2": 55},
+      2: {"vanilla": 70, "chain:2": 90}, 4: {"vanilla": 120, "chain:2": 110}},
+     None, {1: 4, 2: 2, 4: 2}, "1:chain:2,4:vanilla"),
+    # vanilla fastest alone: nothing larger is measured
+    ({1: {"vanilla": 60, "chain:2": 50, "dynamic:12/6/4": 40, "dynamic:6/4/2": 45}}, None, {1: 4}, "1:vanilla"),
+    # an engine exact with chains only never runs the dynamic trees
+    ({1: {"vanilla": 40, "chain:2": 50}, 2: {"vanilla": 70, "chain:2": 72}}, "chain", {1: 2, 2: 2},
+     "1:chain:2,2:vanilla"),
+])
+def test_tuning_measures_wide_trees_only_while_they_win(speeds, exact_trees, measured, expected, monkeypatch):
+    """tune_schedule's candidates, with measured speeds replaced by a table: vanilla and the chains at every size
+    until vanilla wins, the wider trees at the first size and then only where one of them was fastest at the size
+    before."""
+    from types import SimpleNamespace
+    runs = []
+
+    def fake(backend, tree, prompts, size, max_new_tokens):
+        runs.append((str(tree or "vanilla"), max_new_tokens))
+        return speeds[size][str(tree or "vanilla")], []
+    monkeypatch.setattr(batch_mod, "run_batch", fake)
+    backend = SimpleNamespace(draft_kind="eagle3", exact_trees=exact_trees)
+    schedule, table = batch_mod.tune_schedule(backend, [[1]], chains=(2,), trees=WIDE)
+    assert str(schedule) == expected and table == {b: speeds[b] for b in measured}
+    assert {b: len(row) for b, row in table.items()} == measured
+    warm = len(speeds[1])                                      # first every candidate once, for 4 tokens
+    assert runs[:warm] == [(t, 4) for t in speeds[1]] and all(n == batch_mod.BATCH_TOKENS for _, n in runs[warm:])
 
 
 def test_chain_only_engines_refuse_dynamic_schedules(backends):
@@ -343,7 +401,7 @@ def ort_engine(models, tmp_path_factory):
     return open_engine(out)
 
 
-@pytest.mark.parametrize("schedule", ["1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED])
+@pytest.mark.parametrize("schedule", ["1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, TUNED])
 def test_ort_batched_greedy_equals_ort_alone_vanilla(schedule, ort_engine, prompts):
     want = [VanillaGenerator(ort_engine.backend).generate(p, MAX_NEW).output_ids for p in prompts]
     rng = random.Random(schedule)
@@ -420,7 +478,7 @@ def test_cli_generate_batch(models, prompts, tmp_path):
 
 
 def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
-    from eaglex.engines.tune import tune_batching
+    from eaglex.engines.tune import batch_trees, tune_batching
     from eaglex.runtime.manifest import read_manifest
     manifest = read_manifest(ort_engine.path)
     lines = []
@@ -437,6 +495,18 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
         assert row[pick] == best or (pick == "vanilla" and best <= (1 + SCHEDULE_MARGIN) * row["vanilla"]), (size, row)
     if len(sizes) < 5:                                        # measuring stopped where vanilla won: vanilla beyond
         assert max(row.values()) <= (1 + SCHEDULE_MARGIN) * row["vanilla"] and schedule.tree(10 ** 6) is None
+    # beside the chains, the engine's own tree and a smaller dynamic one, measured where a tree can still win
+    wide = [str(t) for t in batch_trees(ort_engine.tree)]
+    assert wide == [str(ort_engine.tree), "dynamic:6/4/2"] and all(t in measured["1"] for t in wide)
+    for before, size in zip(sizes, sizes[1:]):
+        last = measured[str(before)]
+        assert (max(last, key=last.get) in wide) == all(t in measured[str(size)] for t in wide), measured
+    # whatever it picked runs every request exactly, a request alone on the engine's own tree
+    want = [VanillaGenerator(ort_engine.backend).generate(p, MAX_NEW).output_ids for p in prompts[:12]]
+    gen = ort_engine.batcher(5)
+    reqs = [gen.submit(p, MAX_NEW) for p in prompts[:12]]
+    gen.run()
+    assert [r.result.output_ids for r in reqs] == want, stored["batch_schedule"]
 
 
 # ------------------------------------------------------------------------------------------------ alone in flight

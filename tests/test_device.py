@@ -12,6 +12,7 @@ import torch
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.runtime.backend import full_mask
+from eaglex.runtime.batch import chain_for
 from eaglex.runtime.device import device_of, host, resolve_device
 from eaglex.runtime.engine import open_models
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
@@ -203,14 +204,22 @@ def _gpu_check(tmp_path, *args):
 
 
 def test_gpu_check_dry_run_cpu(tmp_path):
-    """tools/gpu_check.sh on the CPU: models built and calibrated, the bench table, the checks, the attention table
-    (the equivalence phase, pytest of tests/test_gpu.py, is in the slow variant below)."""
-    results, report = _gpu_check(tmp_path, "--no-install", "--no-peers", "--phases", "env,models,bench,check,attention")
+    """tools/gpu_check.sh on the CPU: models built and calibrated, the bench table, batching at 1, 4 and 16 requests
+    in flight, the checks, the attention table (the equivalence phase, pytest of tests/test_gpu.py, is in the slow
+    variant below)."""
+    results, report = _gpu_check(tmp_path, "--no-install", "--no-peers", "--phases",
+                                 "env,models,bench,batched,check,attention")
     assert abs(results["models"]["alpha"] - results["models"]["alpha_target"]) < 0.05
     rows = results["bench"]["rows"]
     assert rows[0]["method"] == "vanilla" and all(r["identical_to_vanilla"] for r in rows)
     assert any(r["method"] == "eagle3" and r["tau"] > 2 for r in rows)
     assert results["check"]["bench_target"]["prompts"] == 4
+    batched = results["batched"]["rows"]                    # fp32: every request as it decodes alone, every pass
+    tuned = TreeConfig.parse(results["bench"]["tuned_tree"])
+    trees = ["vanilla", str(chain_for(tuned)), str(tuned) if tuned.kind != "chain" else "dynamic:16/6/4"]
+    assert [(r["requests"], r["schedule"]) for r in batched] == [(b, t) for b in (1, 4, 16) for t in trees]
+    assert all(r["identical"] == f"{2 * r['requests']}/{2 * r['requests']}" and r["tokens_per_s"] > 0 for r in batched)
+    assert all(r["tau"] > 1.5 for r in batched if r["schedule"] != "vanilla")
     assert "goals" in report and "attention" in report
 
 

@@ -49,7 +49,7 @@ def measured(monkeypatch):
         rows = [TuneRow(None, 10 / vanilla, 10, 1.0, True), TuneRow(BEST, 10 / tree, 10, 2.0, True),
                 TuneRow(OTHER, 10 / (tree / 2), 10, 2.5, True)]
         monkeypatch.setattr(tune_mod, "autotune", lambda *a, **k: (BEST, rows))
-    monkeypatch.setattr(tune_mod, "tune_schedule", lambda backend, prompts: (SCHEDULE, {1: {"vanilla": 1.0}}))
+    monkeypatch.setattr(tune_mod, "tune_schedule", lambda backend, prompts, **kw: (SCHEDULE, {1: {"vanilla": 1.0}}))
     return set_speeds
 
 
@@ -238,3 +238,17 @@ def test_autotune_alternates_the_ladder_and_brackets_it_with_vanilla(monkeypatch
     assert rows[0].seconds == pytest.approx(6.0)          # (2 + 4) / 2 per prompt
     assert [r.identical for r in rows[1:]] == [True, False, True]
     assert best == trees[0]                               # ties go to the first identical shape
+
+
+@pytest.mark.parametrize("own, expected", [
+    ("dynamic:12/6/4", ["dynamic:12/6/4", "dynamic:6/4/2"]),        # the engine's own tree and the smaller one
+    ("dynamic:6/4/2", ["dynamic:6/4/2"]),                           # nothing smaller to add
+    ("dynamic:4/4/1", ["dynamic:4/4/1"]),
+    ("static", ["static", "dynamic:6/4/2"]),
+    ("chain:5", ["chain:5"]),               # a chain won alone: the dynamic trees lost to it already
+    ("chain:2", ["chain:2"]),               # (one of tune_schedule's chains: measured once)
+    (None, ["dynamic:6/4/2"]),
+])
+def test_batch_tuning_tries_the_engines_tree_and_smaller_dynamic_ones(own, expected):
+    from eaglex.engines.tune import batch_trees
+    assert [str(t) for t in batch_trees(TreeConfig.parse(own) if own else None)] == expected

@@ -12,6 +12,11 @@ Phases, in order, each recorded with its status and time (a failing phase is rep
 - bench: batch 1, interleaved per prompt: eaglex vanilla and EAGLE-3 at the tuned tree and fixed trees (CUDA graphs;
   the tuned tree eagerly too), transformers greedy, prompt lookup and assisted generation (a one-layer assistant that
   follows the same map); tokens/s, speedups, tau, per-cycle draft/verify/other ms; the goals checked;
+- batched: in-flight batching on the device (runtime/batch.py over the bench models' slots, CUDA graphs per batch
+  size): 1, 4 and 16 requests in flight, vanilla-batched against EAGLE-3-batched (the chain an untuned engine
+  batches, and the tree tuned at batch 1 or a dynamic tree) in aggregate tokens/s, every request's output against the same request
+  decoded alone by vanilla decoding (in bf16 with the target's logit margin at each divergence); a run that raises
+  is recorded with its traceback and the others still run;
 - check: `eaglex check`-style greedy comparison in bf16 on the bench target and on models/tiny (through the CLI),
   every divergence with the target's logit margin;
 - attention: one layer's tree attention at the target's shape: SDPA (each backend), SDPA with the KV heads
@@ -38,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
-PHASES = ("env", "equivalence", "models", "bench", "check", "attention")
+PHASES = ("env", "equivalence", "models", "bench", "batched", "check", "attention")
 SHAPES = {   # the target; the head gets the target's width, intermediate size and attention shape, like a real one
     "llama3.1-8b": dict(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128,
                         frequent=32000, max_pos=4096, rope_theta=500000.0, rms_norm_eps=1e-5),
@@ -48,6 +53,7 @@ SHAPES = {   # the target; the head gets the target's width, intermediate size a
 KNOBS = dict(eps_attn=2.7, eps_mlp=0.4, qk_gain=2.0, anti_self=0.9, norm_jitter=0.1)   # bench_models.BIG_SPEC's
 ALPHA = 0.8            # map-following rate the target is calibrated to: a 6-token chain then commits ~3.9 per cycle
 GPU_TREES = ("chain:4", "chain:6", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10")
+IN_FLIGHT = (1, 4, 16)  # requests decoded together in the batched phase
 TUNE_CANDIDATES = ("chain:3", "chain:4", "chain:5", "chain:6", "chain:8", "dynamic:12/6/4", "dynamic:16/6/4",
                    "dynamic:24/7/6", "dynamic:32/7/8", "dynamic:48/8/8", "dynamic:60/8/10")
 
@@ -285,7 +291,8 @@ class Check:
 
     def run(self, phases) -> int:
         for name in phases:
-            need = {"equivalence": 60, "models": 30, "bench": 60, "check": 20, "attention": 10}.get(name, 0)
+            need = {"equivalence": 60, "models": 30, "bench": 60, "batched": 40, "check": 20,
+                    "attention": 10}.get(name, 0)
             if self.budget.left() < need:
                 self.results["phases"][name] = {"status": "skipped", "why": f"budget: {self.budget.left():.0f} s left"}
                 log(f"{name}: skipped ({self.budget.left():.0f} s left)")
@@ -388,7 +395,7 @@ class Check:
         params = sum(v.numel() for v in sd.values())
         n, lengths = (4, (32, 96)) if self.quick else (8, (64, 256))
         self.models = dict(model=model, sd=sd, eos=eos, S=S, nxt=nxt, target=target, backend=backend,
-                           head_dir=head_dir, prompts=make_prompts(S, n, seed, lengths))
+                           head_dir=head_dir, prompts=make_prompts(S, n, seed, lengths), seed=seed, lengths=lengths)
         info = {"shape": self.shape, "spec": s, "knobs": KNOBS, "target_params": params, "dtype": self.dtype,
                 "build_seconds": round(built, 1), "alpha": alpha, "alpha_target": ALPHA,
                 "calibration (o_proj scale, alpha)": history, "prompts": n, "prompt_lengths": lengths,
@@ -499,6 +506,93 @@ class Check:
     def _need_models(self):
         self.phase_models()
         return self.models
+
+    # ---- batched (in-flight batching on the device)
+    def phase_batched(self):
+        from eaglex.runtime.batch import chain_for, run_batch, schedule_from
+        from eaglex.runtime.batch_backend import batch_backend
+        from eaglex.runtime.engine import BoundedContext
+        from eaglex.runtime.equivalence import first_divergence, logit_margin
+        from eaglex.runtime.generate import VanillaGenerator
+        from eaglex.runtime.types import TreeConfig
+
+        m = self.models or self._need_models()
+        best = m.get("best") or TreeConfig.parse("dynamic:16/6/4")
+        # the chain an engine batches before its batch tuning (batch.chain_for), and the tree tuned at batch 1, or
+        # when that is a chain a dynamic tree, so that batched dynamic trees run on the device either way
+        trees = [chain_for(best), best if best.kind != "chain" else TreeConfig.parse("dynamic:16/6/4")]
+        max_new = 16 if self.quick else 64
+        # the bench's prompts first (make_prompts draws them one after the other), then more of the same kind
+        prompts = make_prompts(m["S"], max(IN_FLIGHT), m["seed"], m["lengths"])
+        nodes = max(t.max_nodes for t in trees)
+        single = m["backend"]
+        # slots as long as these requests need, with room for a tree after the last token (every slot holds it)
+        bounded = BoundedContext(single, min(max(map(len, prompts)) + max_new + nodes, single.spec.max_context))
+        backend = batch_backend(bounded, max(IN_FLIGHT), nodes)
+        alone = VanillaGenerator(single)
+        want = [alone.generate(p, max_new).output_ids for p in prompts]
+        exact = self.dtype == "float32"      # fp32 promises equality; bf16 rows batched round differently
+        rows, errors = [], []
+        for size in IN_FLIGHT:
+            if self.budget.left() < 20:          # the budget's end: the larger batches are left out, not overrun
+                rows.append({"requests": size, "schedule": "-", "skipped": f"budget: {self.budget.left():.0f} s left"})
+                continue
+            for tree in [None] + trees:
+                row = {"requests": size, "schedule": str(tree or "vanilla")}
+                rows.append(row)
+                try:
+                    # the first pass runs every shape (captured as CUDA graphs when they recur), the second is timed
+                    for i in range(2):
+                        rate, reqs = run_batch(backend, tree, prompts, size, max_new)
+                        divs = [first_divergence(want[j], r.result.output_ids) for j, r in enumerate(reqs)]
+                        bad = [{"request": j, "pass": i, "at": d,
+                                "margin": round(logit_margin(single, prompts[j] + want[j][:d]), 4)}
+                               for j, d in enumerate(divs) if d is not None]
+                        row.setdefault("divergences", []).extend(bad)
+                    lengths = [n for r in reqs for n in r.result.accept_lengths]
+                    row.update(tokens_per_s=round(rate, 1), tau=round(sum(lengths) / max(len(lengths), 1), 2),
+                               identical=f"{2 * size - len(row['divergences'])}/{2 * size}")
+                except Exception as e:  # noqa: BLE001 - a failing shape must not hide the other measurements
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    errors.append(f"{size} requests, {row['schedule']}:\n{traceback.format_exc()[-3000:]}")
+            base = next((r.get("tokens_per_s") for r in rows if r["requests"] == size and r["schedule"] == "vanilla"),
+                        None)
+            for r in rows:
+                if r["requests"] == size and r.get("tokens_per_s") and base:
+                    r["vs_vanilla"] = round(r["tokens_per_s"] / base, 3)
+        table = {}
+        for r in rows:
+            if r.get("tokens_per_s"):
+                table.setdefault(r["requests"], {})[r["schedule"]] = r["tokens_per_s"]
+        picked = str(schedule_from(table)) if table else None
+        graphs = backend.graphs
+        diverged = [r for r in rows if r.get("divergences")]
+        self.results["batched"] = {"rows": rows, "max_new_tokens": max_new, "requests_checked": len(prompts),
+                                   "schedule_from_table": picked, "mode": backend.mode,
+                                   "graphs": len(graphs.graphs) if graphs is not None else None,
+                                   "graph_failures": graphs.failed if graphs is not None else None}
+        lines = [f"{'requests':>8} {'schedule':<16} {'tokens/s':>9} {'vs vanilla':>10} {'tau':>5} {'identical':>9}"
+                 "  first divergences (request@token, margin)"]
+        for r in rows:
+            if "skipped" in r or "error" in r:
+                lines.append(f"{r['requests']:>8} {r['schedule']:<16} {r.get('skipped') or 'ERROR ' + r['error']}")
+                continue
+            divs = ", ".join(f"{d['request']}@{d['at']} ({d['margin']})" for d in r["divergences"][:6])
+            lines.append(f"{r['requests']:>8} {r['schedule']:<16} {r['tokens_per_s']:>9} "
+                         f"{r.get('vs_vanilla', '-'):>10} {r['tau']:>5} {r['identical']:>9}  {divs}")
+        lines.append(f"each request against the same request decoded alone by vanilla decoding ({max_new} tokens; "
+                     f"both passes of every row; {self.dtype}"
+                     + ("" if exact else ": a divergence at a small logit margin is rounding, a large one a bug") + ")")
+        lines.append(f"the schedule these numbers give (runtime/batch.schedule_from): {picked}")
+        if graphs is not None:
+            lines.append(f"CUDA graphs: {len(graphs.graphs)} kept, {len(graphs.failed)} failed captures")
+        self.section(f"batched: vanilla vs EAGLE-3 in-flight batching, {self.shape} target in {self.dtype} on "
+                     f"{self.device} ({backend.mode} forwards)", "\n".join(lines + errors))
+        del backend, bounded
+        if self.cuda:
+            torch.cuda.empty_cache()
+        status = "error" if errors else "failed" if exact and diverged else "ok"
+        return {"status": status, "diverged_rows": len(diverged), "errors": len(errors)}
 
     # ---- check (bf16 divergences with margins)
     def phase_check(self):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: install eaglex (no dependencies) into this machine's Python, then run tools/gpu_check.py:
-# the equivalence suite on the device in fp32, an 8B-shaped bf16 bench at batch 1 against transformers, the bf16
-# check with logit margins, and an attention micro-benchmark. Results go to $OUT (default ./build/gpu_check):
+# the equivalence suite on the device in fp32, an 8B-shaped bf16 bench at batch 1 against transformers, vanilla vs
+# EAGLE-3 in-flight batching at 1, 4 and 16 requests, the bf16 check with logit margins, and an attention
+# micro-benchmark. Results go to $OUT (default ./build/gpu_check):
 # results.json, report.txt, log.txt, pytest.xml, pytest.txt.
 #
 #   tools/gpu_check.sh                       # on the GPU machine (about 7 minutes on one H200)
@@ -13,6 +14,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/build/gpu_check}
 PY=${PYTHON:-python3}
+case "$PY" in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac   # the driver runs from $WORK
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/eaglex-gpu-check}
 INSTALL=1
 ARGS=()
