@@ -6,10 +6,12 @@ code. Each request has its own KV slot (target and draft), sampling settings, se
 (request.Emitter) and GenerationResult. A step runs one cycle for every active request, in one of two ways, picked by
 a `Schedule` from the number of active requests (so that speculation is turned down as the batch grows):
 - vanilla: one token for every request in one target forward;
-- a tree (chain:K, dynamic:TOTAL/DEPTH/TOPK or static): every request's draft context catches up with what it
-  accepted, every request grows its own tree (drafter.py: one batched draft forward per level), one target forward
-  verifies all of them (each request's rows under its own ancestor mask), one verification decides all of them
-  (verify.verify_rows), and each request commits its own accepted path into its slot and emits it.
+- a tree (chain:K, dynamic:TOTAL/DEPTH/TOPK, cost:DEPTH/TOPK or static): every request's draft context catches up
+  with what it accepted, every request grows its own tree (drafter.py: one batched draft forward per level), one
+  target forward verifies all of them (each request's rows under its own ancestor mask), one verification decides
+  all of them (verify.verify_rows), and each request commits its own accepted path into its slot and emits it.
+  The trees of one step have one size (the forward's [B, N] rows): a cost tree's size is chosen per step for all
+  its requests together (drafter.Drafter._cost_nodes).
 A request whose tree would run past the context (or past a quantized engine's exact bound) decodes its last tokens
 one at a time, as vanilla decoding does.
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cost import cost_curve
 from .device import to_device
 from .drafter import Drafter
 from .request import Clock, Request, start_request
@@ -50,8 +53,8 @@ from .verify import verify_rows
 class Schedule:
     """Tree by number of active requests: `steps` ((from_active, tree or None = vanilla), ...) ascending; the last
     step whose from_active <= active applies. Spelled "1:dynamic:8/4/3,2:chain:4,4:chain:2,8:vanilla" (parse /
-    str). Every tree kind gives every request a tree of the same size, which is what lets one target forward
-    verify them all."""
+    str). Every tree kind gives every request a tree of the same size (a cost tree: one size per step, chosen for
+    the step's requests together), which is what lets one target forward verify them all."""
     steps: tuple[tuple[int, TreeConfig | None], ...]
 
     def __post_init__(self):
@@ -133,7 +136,8 @@ class BatchedGenerator:
         if getattr(backend, "exact_trees", None) == "chain" and any(t.kind != "chain" for t in trees):
             raise ValueError(f"this engine's output stays identical to vanilla decoding with chain trees only, "
                              f"not the schedule {self.schedule}")
-        self.drafters = {t: Drafter(t) for t in trees}
+        cost = cost_curve(backend) if any(t.kind == "cost" for t in trees) else None
+        self.drafters = {t: Drafter(t, cost if t.kind == "cost" else None) for t in trees}
         self.top_k = self.schedule.top_k
         nodes = self.schedule.max_nodes if trees else 0
         # A tree grows only while `length + nodes` fits the context, so its draft rows end within `nodes` rows
@@ -250,6 +254,7 @@ class BatchedGenerator:
                 r.behind_feats.append(feats[i])
                 r.behind_ids.append(token)
             r.result.cycles += 1
+            r.result.verified_nodes += 1
             r.result.accept_lengths.append(self._emit(r, [token]))
 
     def _speculate(self, rows: slice, cfg: TreeConfig) -> None:
@@ -274,6 +279,7 @@ class BatchedGenerator:
             backend.target_commit(rows.start + i, verdict.nodes)
             accepted = tree.tokens[verdict.nodes[1:]].tolist()
             r.result.cycles += 1
+            r.result.verified_nodes += tree.size
             r.result.accept_lengths.append(self._emit(r, accepted + [verdict.next_token]))
             # The draft's context grows by the accepted path: (feature of node, token after it).
             r.behind_feats = [feats[i, to_device(verdict.nodes, feats.device)]]
