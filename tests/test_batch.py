@@ -24,7 +24,9 @@ from eaglex.runtime.verify import verify_rows
 MAX_NEW = 40
 # vanilla, chains and dynamic trees, mixed by batch size (with slots=5 every batch size up to 5 occurs)
 MIXED = "1:dynamic:8/4/3,2:dynamic:6/3/2,4:chain:2"
-SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4")
+# cost trees: one size per step for all its requests, chosen by the backend's measured curve
+COST = "1:cost:6/4,3:cost:4/3"
+SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4", COST)
 
 
 @pytest.fixture(scope="module")
@@ -482,7 +484,7 @@ def test_a_lone_request_in_the_slots_is_bit_identical_to_the_single_request_path
     single-request generator gives on the single-request backend, for every tree kind, greedy and sampled; greedy,
     both equal vanilla decoding (itself checked against transformers in test_exactness)."""
     b = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
-    trees = ["chain:3", "dynamic:10/4/3", "dynamic:16/6/4"] + (["static"] if name != "ort" else [])
+    trees = ["chain:3", "dynamic:10/4/3", "dynamic:16/6/4", "cost:6/4"] + (["static"] if name != "ort" else [])
     for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=5)):
         vanilla = [VanillaGenerator(b, sampling).generate(p, MAX_NEW) for p in prompts[:6]]
         for text in trees:
