@@ -13,7 +13,7 @@ a `Schedule` from the number of active requests (so that speculation is turned d
   The trees of one step have one size (the forward's [B, N] rows): a cost tree's size is chosen per step for all
   its requests together (drafter.Drafter._cost_nodes).
 A request whose tree would run past the context (or past a quantized engine's exact bound) decodes its last tokens
-one at a time, as vanilla decoding does.
+one at a time, as vanilla decoding does; a cost tree first shrinks to the room left.
 
 The draft's context catches up lazily: a joining request's prompt is read as part of its prefill, and what a
 request accepted is read at the start of its next tree step (rows that fell behind by more than one cycle, e.g.
@@ -140,10 +140,10 @@ class BatchedGenerator:
         self.drafters = {t: Drafter(t, cost if t.kind == "cost" else None) for t in trees}
         self.top_k = self.schedule.top_k
         nodes = self.schedule.max_nodes if trees else 0
-        # A tree grows only while `length + nodes` fits the context, so its draft rows end within `nodes` rows
-        # past it unless its levels write more rows than it keeps.
+        # A tree grows only while it fits the context (a cost tree: its depth), so its draft rows end within
+        # the draft rows its levels write past it.
         ctx = self.spec.max_context
-        backend.reset(ctx + nodes, ctx + max(nodes, self.schedule.draft_rows - nodes))
+        backend.reset(ctx + nodes, ctx + max(nodes, self.schedule.draft_rows))
         self.clock = Clock(getattr(backend, "device", None))
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []           # active[i] owns slot i
@@ -191,16 +191,18 @@ class BatchedGenerator:
             if tree is None:
                 self._vanilla(slice(0, len(self.active)))
             else:
-                # rows whose tree would not fit finish plainly; each contiguous run of rows is one batch
+                # rows whose tree would not fit finish plainly; each contiguous run of rows is one batch. A cost
+                # tree shrinks to the room left instead, while its draft levels' positions still fit.
                 limit = self._limit(tree)
-                plain = [r.length + tree.max_nodes > limit for r in self.active]
+                need = tree.depth + 1 if tree.kind == "cost" else tree.max_nodes
+                plain = [r.length + need > limit for r in self.active]
                 i = 0
                 for is_plain, run in itertools.groupby(plain):
                     n = len(list(run))
                     if is_plain:
                         self._vanilla(slice(i, i + n))
                     else:
-                        self._speculate(slice(i, i + n), tree)
+                        self._speculate(slice(i, i + n), tree, limit)
                     i += n
             finished += self._retire()
         return finished
@@ -257,8 +259,9 @@ class BatchedGenerator:
             r.result.verified_nodes += 1
             r.result.accept_lengths.append(self._emit(r, [token]))
 
-    def _speculate(self, rows: slice, cfg: TreeConfig) -> None:
-        """Draft a tree for every request of `rows`, verify them all in one target forward, commit and emit."""
+    def _speculate(self, rows: slice, cfg: TreeConfig, limit: int) -> None:
+        """Draft a tree for every request of `rows`, verify them all in one target forward, commit and emit; no
+        tree runs past `limit` rows."""
         self._catch_up(rows, cfg.depth)
         reqs, backend = self.active[rows], self.backend
         base = torch.tensor([r.length for r in reqs])                               # [B] root positions
@@ -267,7 +270,7 @@ class BatchedGenerator:
             return self.clock.run("draft", reqs, backend.draft_forward, rows, *args)
         try:
             trees = self.drafters[cfg].grow(forward, DraftTip.stack([r.tip for r in reqs]), [r.root for r in reqs],
-                                            base)
+                                            base, limit - int(base.max()))
         finally:
             backend.draft_rollback(rows)
         logits, feats = self.clock.run("target", reqs, backend.target_forward, rows,

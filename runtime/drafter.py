@@ -61,18 +61,19 @@ class Drafter:
             return sum(int(e.numel()) for e in self.plan.expand[1:])
         return self.depth * self.top_k
 
-    def grow(self, forward: DraftForward, tip: DraftTip, roots: list[int], positions: torch.Tensor
-             ) -> list[DraftTree]:
+    def grow(self, forward: DraftForward, tip: DraftTip, roots: list[int], positions: torch.Tensor,
+             room: int | None = None) -> list[DraftTree]:
         """One tree per request under `roots` [B] from the batch's tips ([B,H], [B,k], [B,k]); `positions` [B]
         int64 are the draft positions of the depth-1 nodes (= the target position of each root; all nodes of one
-        level share a position)."""
+        level share a position). `room`: the most nodes the requests' context has left (a cost tree stays within
+        it; the other kinds are only grown where their whole size fits)."""
         if self.plan is not None:
             return self._static(forward, tip, roots, positions)
         if self.top_k == 1 and self.cfg.kind != "cost":
             return self._chain(forward, tip, roots, positions)
-        return self._dynamic(forward, tip, roots, positions)
+        return self._dynamic(forward, tip, roots, positions, room)
 
-    def _dynamic(self, forward, tip, roots, positions):
+    def _dynamic(self, forward, tip, roots, positions, room=None):
         K, depth = self.top_k, self.depth
         hidden, logp, ids = tip.hidden, tip.logp[:, :K], tip.ids[:, :K]      # [B,H], [B,K], [B,K]
         (B, H), dev = hidden.shape, hidden.device
@@ -104,11 +105,12 @@ class Drafter:
             mask = torch.cat([mask.gather(1, came[..., None].expand(B, F, mask.shape[-1])),
                               torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], 2)
         scores, tokens, parents = host(scores[:, :n], tokens[:, :n], parents[:, :n])   # one read of every pool
-        total = self._cost_nodes(scores.numpy()) if self.cfg.kind == "cost" else self.total
+        total = self._cost_nodes(scores.numpy(), room) if self.cfg.kind == "cost" else self.total
         return [select_dynamic(scores[b], tokens[b], parents[b], roots[b], total) for b in range(B)]
 
-    def _cost_nodes(self, scores: np.ndarray) -> int:
-        """A cost tree's size this step (root included) for the pools `scores` [B, C]: one size for the batch, as
+    def _cost_nodes(self, scores: np.ndarray, room: int | None = None) -> int:
+        """A cost tree's size this step (root included, at most `room`) for the pools `scores` [B, C]: one size for
+        the batch, as
         one target forward verifies all its trees ([B, nodes] rows: a smaller tree padded would cost the same), so
         cost_size weighs the requests' expected tokens together against t(B * nodes). The draft's share of the
         cycle is fixed whatever the size: the forward extending each context by what it accepted and the tree's
@@ -120,7 +122,7 @@ class Drafter:
         if B not in self._verify_ms:
             self._verify_ms[B] = np.array([self.cost.verify(B * n) for n in range(1, self.total + 1)])
         fixed = (self.depth + 1) * self.cost.draft(B * self.top_k)
-        return cost_size(scores, self._verify_ms[B], fixed) + 1
+        return cost_size(scores, self._verify_ms[B][:room], fixed) + 1
 
     def _chain(self, forward, tip, roots, positions):
         """top_k = 1: the dynamic path would keep all depth candidates in order (total = depth + 1), so the
