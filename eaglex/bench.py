@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import platform
 import random
-import statistics
 import time
 
 import torch
@@ -33,8 +32,7 @@ from eaglex.base.fsio import write_json
 from eaglex.bench_row import Row
 from eaglex.llamacpp_peer import run_llamacpp_peers
 from eaglex.llamacpp_server import run_server_peers
-from eaglex.runtime.backend import ONE
-from eaglex.runtime.device import synchronize
+from eaglex.runtime.cost import DEFAULT_SIZES, CostSampler, interp
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
@@ -123,115 +121,17 @@ def run_hf_peers(target_dir, prompts: list[list[int]], max_new_tokens: int, draf
     return list(rows.values())
 
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 60, 64)
-
-
 def sizes_for(trees: list[TreeConfig]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(target N, draft N) to time: the defaults plus every tree's verification size and draft width (top_k)."""
     target = set(DEFAULT_SIZES) | {t.max_nodes for t in trees}
-    draft = {1, 10} | {t.top_k for t in trees if t.kind == "dynamic"}
+    draft = {1, 10} | {t.top_k for t in trees if t.kind in ("dynamic", "cost")}
     return tuple(sorted(target)), tuple(sorted(draft))
 
 
-class CostSampler:
-    """The cost model measured in rounds: t(N) of a target forward over N new tokens after
-    `context` cached ones, draft steps over N nodes (N = 1 for chains, K for a tree level), and the first draft step
-    over 4 context rows (fc included). A round runs every case once, in a freshly shuffled order; rounds taken
-    between the generation runs (run_backend) see the same drifting load as the runs they predict, and the
-    summary keeps the median of every case over the rounds.
-    """
-
-    def __init__(self, backend, context: int = 256, sizes=DEFAULT_SIZES, draft_sizes=(1, 10), seed: int = 0):
-        self.backend, self.spec = backend, backend.spec
-        self.sizes, self.draft_sizes = tuple(sizes), tuple(draft_sizes)
-        self.context = min(context, self.spec.max_context - max(self.sizes) - 1)
-        self.rng = random.Random(seed)
-        g = torch.Generator().manual_seed(seed)
-        self.prompt = torch.randint(0, self.spec.vocab_size, (1, self.context), generator=g)
-        self.target_in = {n: torch.randint(0, self.spec.vocab_size, (1, n), generator=g) for n in self.sizes}
-        H = self.spec.hidden_size
-        self.draft_in = {n: (torch.randn(1, n, H, generator=g), torch.randint(0, self.spec.vocab_size, (1, n),
-                                                                            generator=g)) for n in self.draft_sizes}
-        self.samples: dict[str, list[float]] = {}
-        self.rounds = 0
-
-    def _cases(self, feats) -> list[tuple[str, callable]]:
-        b, c = self.backend, self.context
-        cases = []
-        for n in self.sizes:
-            ids, pos = self.target_in[n], torch.arange(c, c + n)[None]
-            mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
-
-            def step(ids=ids, pos=pos, mask=mask):
-                b.target_forward(ONE, ids, pos, mask)
-                b.target_commit(0, torch.arange(0))          # commit nothing: the next call starts from `context`
-            cases.append((f"target {n}", step))
-        if b.draft_kind is None:
-            return cases
-        for n in self.draft_sizes:
-            hid, ids = self.draft_in[n]
-            hid = hid.to(feats.dtype)
-            pos, mask = torch.full((1, n), c), torch.eye(n, dtype=torch.bool)[None]
-
-            def dstep(hid=hid, ids=ids, pos=pos, mask=mask, n=n):
-                b.draft_forward(ONE, hid, ids, pos, mask, project=False, top_k=n)
-                b.draft_rollback(ONE)
-            cases.append((f"draft {n}", dstep))
-        f4, ids4, pos4 = feats[:, -4:], self.prompt[:, -4:], torch.arange(c - 4, c)[None]
-
-        def first():
-            b.draft_forward(ONE, f4, ids4, pos4, None, project=True, top_k=10, last_only=True)
-            b.draft_rollback(ONE)
-        cases.append(("draft first", first))
-        return cases
-
-    def round(self, repeats: int = 1, record: bool = True) -> None:
-        """Prefill `context` rows, then time every case `repeats` times in a shuffled order."""
-        b, c = self.backend, self.context
-        b.reset(c + max(self.sizes) + 1)
-        _, feats = b.target_forward(ONE, self.prompt, torch.arange(c)[None], None, last_only=True)
-        b.target_commit(0, torch.arange(c))
-        if b.draft_kind is not None:      # the draft's own context (token ids do not matter for timing)
-            b.draft_forward(ONE, feats, self.prompt, torch.arange(c)[None], None, project=True, top_k=10, last_only=True)
-            b.draft_commit(0, torch.arange(c))
-        cases = self._cases(feats) * repeats
-        self.rng.shuffle(cases)
-        device = getattr(b, "device", "cpu")
-        for name, fn in cases:
-            synchronize(device)
-            t = time.perf_counter()
-            fn()
-            synchronize(device)
-            dt = time.perf_counter() - t
-            if record:
-                self.samples.setdefault(name, []).append(dt)
-        self.rounds += record
-
-    def summary(self) -> dict:
-        med = {k: round(1e3 * statistics.median(v), 3) for k, v in self.samples.items()}
-        out = {"context": self.context, "rounds": self.rounds,
-               "target_ms": {n: med[f"target {n}"] for n in self.sizes},
-               "target_1_ms_range": [round(1e3 * min(self.samples["target 1"]), 3),
-                                     round(1e3 * max(self.samples["target 1"]), 3)]}
-        if self.backend.draft_kind is not None:
-            out["draft_ms"] = {n: med[f"draft {n}"] for n in self.draft_sizes}
-            out["draft_step_ms"] = out["draft_ms"].get(10)
-            out["draft_chain_step_ms"] = out["draft_ms"][1]
-            out["draft_first_ms"] = med["draft first"]
-        return out
-
-
-def _interp(table: dict, n: int) -> float:
-    t = {int(k): v for k, v in table.items()}
-    sizes = sorted(t)
-    lo = max([s for s in sizes if s <= n], default=sizes[0])
-    hi = min([s for s in sizes if s >= n], default=sizes[-1])
-    return t[lo] if hi == lo else t[lo] + (t[hi] - t[lo]) * (n - lo) / (hi - lo)
-
-
-def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
+def predicted_speedup(cm: dict, tree: TreeConfig, tau: float, nodes: float | None = None) -> float | None:
     """S = τ·t(1) / (t(N_tree) + steps·t_draft(N_step) + t_first), interpolating t(N) between measured sizes;
-    N_step = 1 for a chain, top_k for a dynamic tree (each level expands top_k nodes), 10 for a static tree."""
+    N_step = 1 for a chain, top_k for a dynamic or cost tree (each level expands top_k nodes), 10 for a static
+    tree. N_tree: the tree's size, or for a cost tree (whose size varies by cycle) `nodes`, the mean measured."""
     if "draft_first_ms" not in cm:
         return None
     t = cm["target_ms"]
@@ -242,8 +142,9 @@ def predicted_speedup(cm: dict, tree: TreeConfig, tau: float) -> float | None:
         steps, width = 4, 10                                # mc_sim_7b_63 expands 4 levels after the first step
     else:
         steps, width = tree.depth - 1, tree.top_k
-    cost = _interp(t, tree.max_nodes) + steps * _interp(draft, width) + cm["draft_first_ms"]
-    return round(tau * _interp(t, 1) / cost, 3)
+    size = nodes if tree.kind == "cost" and nodes else tree.max_nodes
+    cost = interp(t, size) + steps * interp(draft, width) + cm["draft_first_ms"]
+    return round(tau * interp(t, 1) / cost, 3)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -313,7 +214,7 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         for row, tree, text in zip(got[1:], own, labels):
             row.tree = text
             tau = sum(row.accept_lengths) / max(len(row.accept_lengths), 1)
-            row.predicted_speedup = predicted_speedup(cm, tree, tau)
+            row.predicted_speedup = predicted_speedup(cm, tree, tau, row.nodes / max(row.cycles, 1))
         quant = ((engine.manifest or {}).get("quant") or {}).get("method")    # weights int8/fp8, activations float
         where = f"{engine.device} {quant or getattr(engine.backend, 'dtype', '')}".strip()
         if (engine.manifest or {}).get("draft_quant"):

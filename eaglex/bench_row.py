@@ -17,6 +17,7 @@ class Row:
     identical: bool = True
     accept_lengths: list[int] = field(default_factory=list)
     cycles: int = 0
+    nodes: int = 0               # tree nodes verified over the cycles (root included)
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     predicted_speedup: float | None = None
@@ -40,6 +41,7 @@ class Row:
         self.baseline_seconds += baseline.seconds
         self.accept_lengths += r.accept_lengths
         self.cycles += r.cycles
+        self.nodes += r.verified_nodes
         self.target_seconds += r.target_seconds
         self.draft_seconds += r.draft_seconds
         self.decode_seconds += r.decode_seconds
@@ -69,7 +71,8 @@ class Row:
                 "identical_to_vanilla": self.identical, "identical_enforced": self.enforced,
                 "tau": None if tau is None else round(tau, 3),
                 "tau_histogram": hist,
-                "cycles": self.cycles, "draft_ms_per_cycle": per_cycle(draft),
+                "cycles": self.cycles, "nodes_per_cycle": round(self.nodes / self.cycles, 2) if self.nodes else None,
+                "draft_ms_per_cycle": per_cycle(draft),
                 "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
                 "predicted_speedup": self.predicted_speedup,
                 "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup),

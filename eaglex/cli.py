@@ -10,7 +10,9 @@ from eaglex.base.errors import ModelError
 from eaglex.base.methods import METHODS
 
 TREE_HELP = ("chain:N (N draft tokens in a line), dynamic:TOTAL/DEPTH/TOPK (EAGLE-2: TOTAL nodes verified, DEPTH "
-             "levels, TOPK expanded per level; the official code's 60/7/10 is dynamic:60/8/10), static (EAGLE-1's "
+             "levels, TOPK expanded per level; the official code's 60/7/10 is dynamic:60/8/10), cost:DEPTH/TOPK (the "
+             "dynamic tree's candidates, of which each cycle verifies as many as the engine's measured cost curve "
+             "says pay, up to 63), static (EAGLE-1's "
              "mc_sim_7b_63), or auto (the engine's tuned tree; one never tuned is measured now, for this run only: "
              "`eaglex tune` stores it). Default: the engine's own tree (tuned by `eaglex tune` or `eaglex engine`), "
              "dynamic:16/6/4 for model folders")
@@ -543,7 +545,7 @@ def cmd_build(args) -> int:
         if args.quant not in (None, "fp8") or args.quant_draft:
             raise ModelError("TensorRT-LLM bundles take --quant fp8 (target only); int8 and --quant-draft are "
                              "for onnxruntime engines")
-        if args.tree == "auto" or args.tree.kind == "static":
+        if args.tree == "auto" or args.tree.kind in ("static", "cost"):
             raise ModelError("TensorRT-LLM bundles take --tree chain:N or dynamic:TOTAL/DEPTH/TOPK")
         dynamic = args.tree.kind == "dynamic"
         cfg = trtllm.TrtllmConfig(quant=args.quant, tp=args.tp, pp=args.pp, max_draft_len=args.tree.depth,

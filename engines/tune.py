@@ -3,7 +3,8 @@ keep the fastest shape whose output matched vanilla, and store it as the manifes
 `eaglex engine`), so that every entry point (generate, check, bench, Triton) runs it from then on. The reading
 commands never store: `--tree auto` on an engine never tuned measures for that run only. When vanilla measured
 faster than that tree, the engine runs vanilla by default (`tuning.method` "vanilla") and the tree stays stored for an
-explicit method (--method eagle3). `tuning` in the manifest records what was measured."""
+explicit method (--method eagle3). `tuning` in the manifest records what was measured, with the cost curve cost trees
+size their verifications by (runtime/cost.py: tuning.verify_ms, tuning.draft_ms)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import sys
 from eaglex.runtime.autotune import autotune
 from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, BATCH_TOKENS, BATCH_TREES, tune_schedule
 from eaglex.runtime.batch_backend import batch_backend
+from eaglex.runtime.cost import cost_curve, measure_curve
 from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
@@ -40,6 +42,12 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
             f"tree {engine.tree} (tuned on {where})")
         return
     log("tuning the tree on this machine (vanilla vs chains and trees, interleaved) ...")
+    if engine.manifest is not None:     # the open engine's cost trees size by it from now on, the tuned ones first
+        curve = measure_curve(engine.backend)
+        engine.manifest["tuning"] = {**(engine.manifest.get("tuning") or {}), **curve.to_tuning()}
+    else:                               # model folders: measured once per process, the same curve the trees use
+        curve = cost_curve(engine.backend)
+    log(f"  cost curve: target {_ms(curve.verify_ms)}; draft {_ms(curve.draft_ms)} (rows: ms)")
     best, rows = autotune(engine.backend, prompts[:4], max_new_tokens=TUNE_TOKENS)
     for r in rows:
         log(f"  {r.tree or 'vanilla'!s:<18} {r.tokens_per_s:8.1f} tokens/s  tau {r.tau:.2f}")
@@ -55,7 +63,8 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
         manifest["tree"] = str(best)
         manifest["tuning"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                               "method": engine.method,
-                              "tokens_per_s": {str(r.tree or "vanilla"): round(r.tokens_per_s, 2) for r in rows}}
+                              "tokens_per_s": {str(r.tree or "vanilla"): round(r.tokens_per_s, 2) for r in rows},
+                              **curve.to_tuning()}
         tune_batching(engine, prompts, manifest, log, write=False)
         if store:
             _write(engine, manifest, "tuned tree")
@@ -101,6 +110,10 @@ def batch_trees(own: TreeConfig | None) -> tuple[TreeConfig, ...]:
     if own.kind == "chain":
         return (own,)
     return (own,) + tuple(t for t in BATCH_TREES if t.max_nodes < own.max_nodes)
+
+
+def _ms(points) -> str:
+    return " ".join(f"{n}:{ms:.1f}" for n, ms in points)
 
 
 def _kept(tree, head: str) -> str:

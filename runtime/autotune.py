@@ -3,7 +3,8 @@
 On a GPU a 60-node tree verifies almost for free; on a CPU a target forward over N tokens costs 1.4-6x a one-token
 forward, so the best shape depends on the hardware, the model size and how
 well the head agrees. The tuner runs vanilla and a ladder of chains and small-to-large trees on a few prompts,
-interleaved, and keeps the fastest shape whose output matched vanilla.
+interleaved, and keeps the fastest shape whose output matched vanilla. The ladder ends with a cost tree, which sizes
+each cycle's tree by the measured cost curve (runtime/cost.py): it is kept only where it measures fastest.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .types import TreeConfig
 
 CANDIDATES = tuple(TreeConfig.parse(t) for t in (
     "chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "dynamic:6/4/2", "dynamic:8/5/3",
-    "dynamic:10/6/3", "dynamic:12/6/4", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10"))
+    "dynamic:10/6/3", "dynamic:12/6/4", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10", "cost:6/4"))
 
 
 @dataclass(frozen=True)

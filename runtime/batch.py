@@ -6,12 +6,14 @@ code. Each request has its own KV slot (target and draft), sampling settings, se
 (request.Emitter) and GenerationResult. A step runs one cycle for every active request, in one of two ways, picked by
 a `Schedule` from the number of active requests (so that speculation is turned down as the batch grows):
 - vanilla: one token for every request in one target forward;
-- a tree (chain:K, dynamic:TOTAL/DEPTH/TOPK or static): every request's draft context catches up with what it
-  accepted, every request grows its own tree (drafter.py: one batched draft forward per level), one target forward
-  verifies all of them (each request's rows under its own ancestor mask), one verification decides all of them
-  (verify.verify_rows), and each request commits its own accepted path into its slot and emits it.
+- a tree (chain:K, dynamic:TOTAL/DEPTH/TOPK, cost:DEPTH/TOPK or static): every request's draft context catches up
+  with what it accepted, every request grows its own tree (drafter.py: one batched draft forward per level), one
+  target forward verifies all of them (each request's rows under its own ancestor mask), one verification decides
+  all of them (verify.verify_rows), and each request commits its own accepted path into its slot and emits it.
+  The trees of one step have one size (the forward's [B, N] rows): a cost tree's size is chosen per step for all
+  its requests together (drafter.Drafter._cost_nodes).
 A request whose tree would run past the context (or past a quantized engine's exact bound) decodes its last tokens
-one at a time, as vanilla decoding does.
+one at a time, as vanilla decoding does; a cost tree first shrinks to the room left.
 
 The draft's context catches up lazily: a joining request's prompt is read as part of its prefill, and what a
 request accepted is read at the start of its next tree step (rows that fell behind by more than one cycle, e.g.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cost import cost_curve
 from .device import to_device
 from .drafter import Drafter
 from .request import Clock, Request, start_request
@@ -50,8 +53,8 @@ from .verify import verify_rows
 class Schedule:
     """Tree by number of active requests: `steps` ((from_active, tree or None = vanilla), ...) ascending; the last
     step whose from_active <= active applies. Spelled "1:dynamic:8/4/3,2:chain:4,4:chain:2,8:vanilla" (parse /
-    str). Every tree kind gives every request a tree of the same size, which is what lets one target forward
-    verify them all."""
+    str). Every tree kind gives every request a tree of the same size (a cost tree: one size per step, chosen for
+    the step's requests together), which is what lets one target forward verify them all."""
     steps: tuple[tuple[int, TreeConfig | None], ...]
 
     def __post_init__(self):
@@ -133,13 +136,14 @@ class BatchedGenerator:
         if getattr(backend, "exact_trees", None) == "chain" and any(t.kind != "chain" for t in trees):
             raise ValueError(f"this engine's output stays identical to vanilla decoding with chain trees only, "
                              f"not the schedule {self.schedule}")
-        self.drafters = {t: Drafter(t) for t in trees}
+        cost = cost_curve(backend) if any(t.kind == "cost" for t in trees) else None
+        self.drafters = {t: Drafter(t, cost if t.kind == "cost" else None) for t in trees}
         self.top_k = self.schedule.top_k
         nodes = self.schedule.max_nodes if trees else 0
-        # A tree grows only while `length + nodes` fits the context, so its draft rows end within `nodes` rows
-        # past it unless its levels write more rows than it keeps.
+        # A tree grows only while it fits the context (a cost tree: its depth), so its draft rows end within
+        # the draft rows its levels write past it.
         ctx = self.spec.max_context
-        backend.reset(ctx + nodes, ctx + max(nodes, self.schedule.draft_rows - nodes))
+        backend.reset(ctx + nodes, ctx + max(nodes, self.schedule.draft_rows))
         self.clock = Clock(getattr(backend, "device", None))
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []           # active[i] owns slot i
@@ -187,16 +191,18 @@ class BatchedGenerator:
             if tree is None:
                 self._vanilla(slice(0, len(self.active)))
             else:
-                # rows whose tree would not fit finish plainly; each contiguous run of rows is one batch
+                # rows whose tree would not fit finish plainly; each contiguous run of rows is one batch. A cost
+                # tree shrinks to the room left instead, while its draft levels' positions still fit.
                 limit = self._limit(tree)
-                plain = [r.length + tree.max_nodes > limit for r in self.active]
+                need = tree.depth + 1 if tree.kind == "cost" else tree.max_nodes
+                plain = [r.length + need > limit for r in self.active]
                 i = 0
                 for is_plain, run in itertools.groupby(plain):
                     n = len(list(run))
                     if is_plain:
                         self._vanilla(slice(i, i + n))
                     else:
-                        self._speculate(slice(i, i + n), tree)
+                        self._speculate(slice(i, i + n), tree, limit)
                     i += n
             finished += self._retire()
         return finished
@@ -250,10 +256,12 @@ class BatchedGenerator:
                 r.behind_feats.append(feats[i])
                 r.behind_ids.append(token)
             r.result.cycles += 1
+            r.result.verified_nodes += 1
             r.result.accept_lengths.append(self._emit(r, [token]))
 
-    def _speculate(self, rows: slice, cfg: TreeConfig) -> None:
-        """Draft a tree for every request of `rows`, verify them all in one target forward, commit and emit."""
+    def _speculate(self, rows: slice, cfg: TreeConfig, limit: int) -> None:
+        """Draft a tree for every request of `rows`, verify them all in one target forward, commit and emit; no
+        tree runs past `limit` rows."""
         self._catch_up(rows, cfg.depth)
         reqs, backend = self.active[rows], self.backend
         base = torch.tensor([r.length for r in reqs])                               # [B] root positions
@@ -262,7 +270,7 @@ class BatchedGenerator:
             return self.clock.run("draft", reqs, backend.draft_forward, rows, *args)
         try:
             trees = self.drafters[cfg].grow(forward, DraftTip.stack([r.tip for r in reqs]), [r.root for r in reqs],
-                                            base)
+                                            base, limit - int(base.max()))
         finally:
             backend.draft_rollback(rows)
         logits, feats = self.clock.run("target", reqs, backend.target_forward, rows,
@@ -274,6 +282,7 @@ class BatchedGenerator:
             backend.target_commit(rows.start + i, verdict.nodes)
             accepted = tree.tokens[verdict.nodes[1:]].tolist()
             r.result.cycles += 1
+            r.result.verified_nodes += tree.size
             r.result.accept_lengths.append(self._emit(r, accepted + [verdict.next_token]))
             # The draft's context grows by the accepted path: (feature of node, token after it).
             r.behind_feats = [feats[i, to_device(verdict.nodes, feats.device)]]

@@ -151,6 +151,7 @@ class SlotBackend:
         """`draft_kv`: the draft's (kv heads, head dim), None without a head; `extra_rows`: room for one tree."""
         self.spec, self.draft_kind, self.dtype = backend.spec, backend.draft_kind, backend.dtype
         self.exact_trees = getattr(backend, "exact_trees", None)     # "chain": the engine is exact with chains only
+        self.source = backend                # the backend whose models these slots run (cost.cost_curve reads it)
         self.slots = slots
         s, dt = self.spec, DTYPES[backend.dtype]
         cap = s.max_context + extra_rows

@@ -4,6 +4,8 @@ Each cycle first *extends* the draft's committed context with the target feature
 (pairs (feature at p, token at p+1), as the official code does: only this first step sees real target features;
 runtime/batch.py runs that step), then grows a tree per request from its last row (types.DraftTip):
 - dynamic (EAGLE-2): expand the best top_k candidates of each level, keep the best total_tokens-1 overall;
+- cost: the dynamic pool, of which the best m are kept, m chosen per step by the cost model (tree.cost_size over
+  the cost curve, runtime/cost.py): one m for all the requests of a step, whose trees one forward verifies;
 - chain: the dynamic tree with top_k = 1 (built directly, without the candidate pool);
 - static (EAGLE-1): the fixed shape of a choices list, each node the rank-th draft candidate of its parent.
 Every level is one draft forward over all requests, each batch row masked to its own request's draft context and
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .device import host, to_device
-from .tree import chain_tree, next_frontier, select_dynamic, static_plan, tree_from_parents
+from .cost import CostCurve
+from .tree import chain_tree, cost_size, next_frontier, select_dynamic, static_plan, tree_from_parents
 from .types import DraftTip, DraftTree, TreeConfig
 
 # forward(hidden [B,N,H], input_ids [B,N], position_ids [B,N], mask, project, top_k) -> (hidden, logp, ids): a
@@ -30,10 +34,12 @@ DraftForward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class Drafter:
-    def __init__(self, cfg: TreeConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: TreeConfig, cost: CostCurve | None = None):
+        """`cost`: the curve a cost tree sizes its verifications by (needed to grow one, not for its shape)."""
+        self.cfg, self.cost = cfg, cost
         # self.depth: draft forwards after the one that extends the context (that one already yields the depth-1 nodes)
         self.top_k, self.depth, self.total = cfg.top_k, cfg.depth - 1, cfg.total_tokens
+        self._verify_ms: dict[int, np.ndarray] = {}      # batch size -> verify_ms for cost_size
         self.plan = static_plan(cfg.choices) if cfg.kind == "static" else None
         if self.plan is not None:   # ancestor-or-self mask of the fixed shape, computed once
             self.static_anc = tree_from_parents(torch.zeros_like(self.plan.parents), self.plan.parents).mask
@@ -55,18 +61,19 @@ class Drafter:
             return sum(int(e.numel()) for e in self.plan.expand[1:])
         return self.depth * self.top_k
 
-    def grow(self, forward: DraftForward, tip: DraftTip, roots: list[int], positions: torch.Tensor
-             ) -> list[DraftTree]:
+    def grow(self, forward: DraftForward, tip: DraftTip, roots: list[int], positions: torch.Tensor,
+             room: int | None = None) -> list[DraftTree]:
         """One tree per request under `roots` [B] from the batch's tips ([B,H], [B,k], [B,k]); `positions` [B]
         int64 are the draft positions of the depth-1 nodes (= the target position of each root; all nodes of one
-        level share a position)."""
+        level share a position). `room`: the most nodes the requests' context has left (a cost tree stays within
+        it; the other kinds are only grown where their whole size fits)."""
         if self.plan is not None:
             return self._static(forward, tip, roots, positions)
-        if self.top_k == 1:
+        if self.top_k == 1 and self.cfg.kind != "cost":
             return self._chain(forward, tip, roots, positions)
-        return self._dynamic(forward, tip, roots, positions)
+        return self._dynamic(forward, tip, roots, positions, room)
 
-    def _dynamic(self, forward, tip, roots, positions):
+    def _dynamic(self, forward, tip, roots, positions, room=None):
         K, depth = self.top_k, self.depth
         hidden, logp, ids = tip.hidden, tip.logp[:, :K], tip.ids[:, :K]      # [B,H], [B,K], [B,K]
         (B, H), dev = hidden.shape, hidden.device
@@ -98,7 +105,24 @@ class Drafter:
             mask = torch.cat([mask.gather(1, came[..., None].expand(B, F, mask.shape[-1])),
                               torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F)], 2)
         scores, tokens, parents = host(scores[:, :n], tokens[:, :n], parents[:, :n])   # one read of every pool
-        return [select_dynamic(scores[b], tokens[b], parents[b], roots[b], self.total) for b in range(B)]
+        total = self._cost_nodes(scores.numpy(), room) if self.cfg.kind == "cost" else self.total
+        return [select_dynamic(scores[b], tokens[b], parents[b], roots[b], total) for b in range(B)]
+
+    def _cost_nodes(self, scores: np.ndarray, room: int | None = None) -> int:
+        """A cost tree's size this step (root included, at most `room`) for the pools `scores` [B, C]: one size for
+        the batch, as
+        one target forward verifies all its trees ([B, nodes] rows: a smaller tree padded would cost the same), so
+        cost_size weighs the requests' expected tokens together against t(B * nodes). The draft's share of the
+        cycle is fixed whatever the size: the forward extending each context by what it accepted and the tree's
+        levels, each about a forward over B * top_k rows. Per-cycle host work (tree building, verification) is
+        not counted."""
+        if self.cost is None:
+            raise ValueError(f"the cost tree {self.cfg} needs the cost curve (runtime/cost.py)")
+        B = scores.shape[0]
+        if B not in self._verify_ms:
+            self._verify_ms[B] = np.array([self.cost.verify(B * n) for n in range(1, self.total + 1)])
+        fixed = (self.depth + 1) * self.cost.draft(B * self.top_k)
+        return cost_size(scores, self._verify_ms[B][:room], fixed) + 1
 
     def _chain(self, forward, tip, roots, positions):
         """top_k = 1: the dynamic path would keep all depth candidates in order (total = depth + 1), so the

@@ -172,7 +172,7 @@ class BoundedContext:
     def __init__(self, backend, context: int):
         if context < 1:
             raise ModelError(f"the context must be at least 1 token, got {context}")
-        self._backend = backend
+        self._backend = self.source = backend
         self.spec = replace(backend.spec, max_context=context)
 
     def __getattr__(self, name):

@@ -21,6 +21,8 @@ class GenerationResult:
     output_ids: list[int] = field(default_factory=list)   # new tokens only
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verification cycle (>= 1)
     cycles: int = 0
+    verified_nodes: int = 0                                # tree nodes the target verified over the cycles, roots
+                                                           # included (a vanilla step: 1)
     seconds: float = 0.0
     target_seconds: float = 0.0                            # time inside target forwards (prefill + verification)
     draft_seconds: float = 0.0                             # time inside draft forwards

@@ -1,8 +1,9 @@
-"""Draft-tree shapes: building a DraftTree from parent pointers, the EAGLE-2 rerank, and EAGLE-1 static plans.
+"""Draft-tree shapes: building a DraftTree from parent pointers, the EAGLE-2 rerank, the cost tree's size, and
+EAGLE-1 static plans.
 
-This module owns the tree *structure*: which node hangs under which, the
-ancestor mask the target attends with, the root-to-leaf paths the verifier walks, the frontier an EAGLE-2 drafter
-expands, and the node layout of an EAGLE-1 choices list. It never sees a model or a cache; the drafters produce
+This module owns the tree *structure*: which node hangs under which, the ancestor mask the target attends with, the
+root-to-leaf paths the verifier walks, the frontier an EAGLE-2 drafter expands, how many candidates a cost tree
+verifies, and the node layout of an EAGLE-1 choices list. It never sees a model or a cache; the drafters produce
 tokens and scores, this turns them into index tables.
 
 Node invariant (types.DraftTree): node 0 is the root and parents[i] < i, so a parent always precedes its children
@@ -128,6 +129,26 @@ def select_dynamic(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
                              tokens[keep_t].long()])
     node_parents = torch.from_numpy(np.concatenate([[-1], node_par]))
     return tree_from_parents(node_tokens, node_parents)
+
+
+def cost_size(scores, verify_ms, fixed_ms: float) -> int:
+    """How many candidates a cost tree verifies with the root: the m maximising expected tokens per millisecond.
+
+    scores [C] or [B, C] cumulative draft log-probs of each request's candidates (any order); verify_ms [M + 1]:
+    verify_ms[m] is the target forward verifying every request's root + m candidates; fixed_ms: the rest of a
+    cycle, which m does not change (the draft's levels). Each request verifies its best m candidates (select_dynamic:
+    a best-first prefix is always a connected tree), and a node is accepted with about its path probability
+    exp(score), so a cycle commits about sum over requests of 1 + sum_{i<=m} exp(score_i) tokens (the 1: the
+    target's own token). m runs over 0..min(C, M) (0: the root alone); ties go to the smaller m.
+    """
+    s = np.atleast_2d(np.asarray(scores, dtype=np.float64))
+    cost = np.asarray(verify_ms, dtype=np.float64)
+    if cost.ndim != 1 or cost.shape[0] < 1:
+        raise ValueError(f"verify_ms must be [M + 1] with M >= 0, got shape {cost.shape}")
+    m = min(s.shape[1], cost.shape[0] - 1)
+    p = np.exp(-np.sort(-s, axis=1)[:, :m])                         # [B, m] path probabilities, best first
+    gain = s.shape[0] + np.concatenate([[0.0], np.cumsum(p.sum(0))])  # [m + 1] expected tokens, 0..m candidates
+    return int(np.argmax(gain / (fixed_ms + cost[: m + 1])))        # the first maximum: the smaller m
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ class SamplingConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
-TREE_GRAMMAR = "chain:N, dynamic:TOTAL/DEPTH/TOPK, static or auto"
+TREE_GRAMMAR = "chain:N, dynamic:TOTAL/DEPTH/TOPK, cost:DEPTH/TOPK, static or auto"
+COST_MAX_NODES = 64     # cost trees: the most nodes one cycle verifies per request, root included
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,12 @@ class TreeConfig:
       TOPK best nodes of each level (TOPK children each), of which the best TOTAL - 1 are verified with the root.
       The official code's ``depth`` counts expansions after the first draft step: its ``total_token=60, depth=7,
       top_k=10`` is ``dynamic:60/8/10`` here;
+    - ``cost:DEPTH/TOPK``: the dynamic tree's candidates, of which each cycle verifies as many as the cost model
+      says pay (tree.cost_size): the best m by draft path probability, m maximising the expected tokens per
+      cycle, 1 + the sum of their path probabilities, over the cycle's cost, the draft's plus the target's over
+      m + 1 rows (runtime/cost.py: the curve tuning measured, stored in the engine's manifest). m is at most
+      COST_MAX_NODES - 1 and the pool's size, and may be 0 (the root alone: a vanilla step) when the draft is
+      unsure;
     - ``static``: EAGLE-1's fixed shape (mc_sim_7b_63, or the `choices` paths of top-k ranks);
     - ``auto`` (parse only, returns None): the engine's tuned tree.
 
@@ -103,19 +110,22 @@ class TreeConfig:
     can accept before the target's own token.
     """
     kind: str = "dynamic"
-    total_tokens: int = 16   # dynamic: nodes verified per cycle, root included
+    total_tokens: int = 16   # dynamic: nodes verified per cycle, root included; cost: the most it may verify
     depth: int = 6           # draft levels below the root (chain: its length)
-    top_k: int = 4           # dynamic: nodes expanded per level and children per expanded node
+    top_k: int = 4           # dynamic, cost: nodes expanded per level and children per expanded node
     choices: tuple[tuple[int, ...], ...] | None = None  # static trees only; None = mc_sim_7b_63
 
     def __post_init__(self):
-        if self.kind not in ("dynamic", "static", "chain"):
-            raise ValueError(f"tree kind must be dynamic, static or chain, got {self.kind!r}")
+        if self.kind not in ("dynamic", "cost", "static", "chain"):
+            raise ValueError(f"tree kind must be dynamic, cost, static or chain, got {self.kind!r}")
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
             raise ValueError(f"bad tree {self}: depth >= 1, top_k >= 1 and total_tokens >= 2 needed")
         if self.kind == "chain":            # a chain's size follows from its length: equal chains compare equal
             object.__setattr__(self, "total_tokens", self.depth + 1)
             object.__setattr__(self, "top_k", 1)
+        if self.kind == "cost":             # the root + the whole candidate pool, up to the cap
+            pool = self.top_k + (self.depth - 1) * self.top_k ** 2
+            object.__setattr__(self, "total_tokens", min(pool + 1, COST_MAX_NODES))
 
     @classmethod
     def chain(cls, n: int) -> "TreeConfig":
@@ -123,7 +133,8 @@ class TreeConfig:
 
     @classmethod
     def parse(cls, text: str) -> "TreeConfig | None":
-        """``chain:N`` | ``dynamic:TOTAL/DEPTH/TOPK`` | ``static`` | ``auto`` (-> None); ValueError otherwise."""
+        """``chain:N`` | ``dynamic:TOTAL/DEPTH/TOPK`` | ``cost:DEPTH/TOPK`` | ``static`` | ``auto`` (-> None);
+        ValueError otherwise."""
         kind, sep, arg = str(text).strip().partition(":")
         try:
             if kind == "auto" and not sep:
@@ -135,16 +146,21 @@ class TreeConfig:
             if kind == "dynamic" and sep:
                 total, depth, top_k = (int(x) for x in arg.split("/"))
                 return cls("dynamic", total, depth, top_k)
+            if kind == "cost" and sep:
+                depth, top_k = (int(x) for x in arg.split("/"))
+                return cls("cost", depth=depth, top_k=top_k)
         except ValueError as e:
             if str(e).startswith("bad tree"):
                 raise ValueError(f"bad tree {text!r}: {str(e).split(': ', 1)[1]}") from None
-        raise ValueError(f"bad tree {text!r}: use {TREE_GRAMMAR} (e.g. chain:3, dynamic:16/6/4)")
+        raise ValueError(f"bad tree {text!r}: use {TREE_GRAMMAR} (e.g. chain:3, dynamic:16/6/4, cost:6/4)")
 
     def __str__(self) -> str:
         if self.kind == "chain":
             return f"chain:{self.depth}"
         if self.kind == "static":
             return "static" if self.choices is None else f"static({len(self.choices)} nodes)"
+        if self.kind == "cost":
+            return f"cost:{self.depth}/{self.top_k}"
         return f"dynamic:{self.total_tokens}/{self.depth}/{self.top_k}"
 
     @property

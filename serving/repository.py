@@ -109,9 +109,10 @@ output [
 ]
 # engine_dir: absolute, or relative to the version folder. method: default (the engine's) or vanilla. threads:
 # intra-op threads per instance (0 = the backend's default). max_input_bytes: longest text_input accepted.
-# default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, static): overrides
-# the engine's own (tuned) tree. max_batch: requests decoded together by in-flight batching (0: one request at a
-# time per instance); with batching at most max_queue_size requests wait for a slot, more are refused (503).
+# default_max_tokens: for requests without max_tokens. tree (chain:N, dynamic:TOTAL/DEPTH/TOPK, cost:DEPTH/TOPK,
+# static): overrides the engine's own (tuned) tree. max_batch: requests decoded together by in-flight batching (0:
+# one request at a time per instance); with batching at most max_queue_size requests wait for a slot, more are
+# refused (503).
 # max_context: longest prompt + new tokens a request may have (0: the model's, or with batching as much as fits
 # in half the memory available at load, since every slot holds that much KV).
 # chat_template: true wraps text_input, the user's message, with the tokenizer's chat template and generation prompt;

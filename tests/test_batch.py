@@ -15,6 +15,8 @@ from eaglex.models.target import causal_mask
 from eaglex.runtime import batch as batch_mod
 from eaglex.runtime.batch import SCHEDULE_MARGIN, BatchedGenerator, Schedule, schedule_from
 from eaglex.runtime.batch_backend import TorchBatchBackend, batch_backend
+from eaglex.runtime.cost import CostCurve
+from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.torch_backend import TorchBackend
@@ -26,7 +28,9 @@ MAX_NEW = 40
 MIXED = "1:dynamic:8/4/3,2:dynamic:6/3/2,4:chain:2"
 # what batch tuning picks when trees win at small batches (engines/tune.batch_trees: the engine's tree, a smaller one)
 TUNED = "1:dynamic:12/6/4,3:dynamic:6/4/2,5:vanilla"
-SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4", TUNED)
+# cost trees: one size per step for all its requests, chosen by the backend's measured curve
+COST = "1:cost:6/4,3:cost:4/3"
+SCHEDULES = ("1:vanilla", "1:chain:3", "1:chain:5,3:chain:2,6:vanilla", MIXED, "1:dynamic:12/5/4", TUNED, COST)
 
 
 @pytest.fixture(scope="module")
@@ -344,19 +348,36 @@ def test_a_tree_in_the_slots_drafts_what_the_single_request_drafter_drafts(name,
             assert logs.get(r.index, []) == log, (size, r.index)
 
 
-def test_a_dynamic_tree_near_the_context_end(backends):
-    """Draft levels write more rows than the verified tree has nodes (dynamic:4/4/3: 9 draft rows, 4 nodes): the
-    draft cache makes room past the context, and requests still stop where vanilla decoding stops."""
+@pytest.mark.parametrize("schedule", ["1:dynamic:4/4/3", "1:cost:4/3"])
+def test_a_dynamic_tree_near_the_context_end(schedule, backends):
+    """Draft levels write more rows than the verified tree has nodes (dynamic:4/4/3: 9 draft rows, 4 nodes; a cost
+    tree shrunk to the room left): the draft cache makes room past the context, and requests still stop where
+    vanilla decoding stops."""
     b = backends["qwen2/eagle1"]
     ctx = b.spec.max_context
     g = torch.Generator().manual_seed(3)
     picks = [torch.randint(0, b.spec.vocab_size, (n,), generator=g).tolist() for n in (ctx - 9, ctx - 4, 30)]
-    s = Schedule.parse("1:dynamic:4/4/3")
+    s = Schedule.parse(schedule)
     gen = BatchedGenerator(TorchBatchBackend(b, slots=3, extra_rows=s.max_nodes), s)
     reqs = [gen.submit(p, 20) for p in picks]
     gen.run()
     for r, p in zip(reqs, picks):
         assert r.error is None and r.result.output_ids == VanillaGenerator(b).generate(p, 20).output_ids
+
+
+def test_a_cost_tree_shrinks_to_the_room_left(backends, alone, prompts, monkeypatch):
+    """Slots sized to the requests (Engine.batcher's context: prompt + new tokens) leave less room than a cost
+    tree's cap (64 nodes): its trees shrink to fit, rather than the requests decoding plainly, and stay exact."""
+    flat = CostCurve(((1, 10.0), (64, 10.0)), ((1, 1.0), (64, 1.0)), 256)       # every candidate pays: the cap
+    monkeypatch.setattr(batch_mod, "cost_curve", lambda b: flat)
+    b, s = backends["llama/eagle3"], Schedule.parse("1:cost:6/4")
+    context = max(len(p) for p in prompts[:4]) + MAX_NEW
+    gen = BatchedGenerator(batch_backend(BoundedContext(b, context), 4, s.max_nodes), s)
+    reqs = [gen.submit(p, MAX_NEW) for p in prompts[:4]]
+    gen.run()
+    for r, want in zip(reqs, alone["llama/eagle3"]):
+        assert r.error is None and r.result.output_ids == want
+    assert sum(sum(r.result.accept_lengths) for r in reqs) > 1.5 * sum(r.result.cycles for r in reqs)
 
 
 # ------------------------------------------------------------------------------------------------ numerics
@@ -552,7 +573,7 @@ def test_a_lone_request_in_the_slots_is_bit_identical_to_the_single_request_path
     single-request generator gives on the single-request backend, for every tree kind, greedy and sampled; greedy,
     both equal vanilla decoding (itself checked against transformers in test_exactness)."""
     b = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
-    trees = ["chain:3", "dynamic:10/4/3", "dynamic:16/6/4"] + (["static"] if name != "ort" else [])
+    trees = ["chain:3", "dynamic:10/4/3", "dynamic:16/6/4", "cost:6/4"] + (["static"] if name != "ort" else [])
     for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=5)):
         vanilla = [VanillaGenerator(b, sampling).generate(p, MAX_NEW) for p in prompts[:6]]
         for text in trees:

@@ -102,15 +102,24 @@ def test_check_batched(models, prompt_file, capsys, monkeypatch):
     assert "6/6 identical to vanilla (" in out and "batched output differs from vanilla decoded alone" in out
 
 
-def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
-    """The fixtures are peaked (median top-1 logit gap ~12), so a high temperature makes the target distribution broad."""
+def _check_sampling_args(models, tmp_path, prompts, tree: str) -> list[str]:
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[:2]))
-    args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
-            "--temperature", "5", "--samples", "400", "--tree", "dynamic:8/4/3"]
+    return ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]), "--prompts", str(f),
+            "--temperature", "5", "--samples", "400", "--tree", tree]
+
+
+def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
+    """The fixtures are peaked (median top-1 logit gap ~12), so a high temperature makes the target distribution broad."""
+    args = _check_sampling_args(models, tmp_path, prompts, "dynamic:8/4/3")
     assert main(args) == 0, capsys.readouterr().out
     monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     assert main(args) == 1
+
+
+def test_check_sampling_cost_tree(models, tmp_path, prompts, capsys):
+    """A cost tree's size depends on the draft alone, never on the target's draws: sampling stays exact."""
+    assert main(_check_sampling_args(models, tmp_path, prompts, "cost:4/3")) == 0, capsys.readouterr().out
 
 
 def _write(tmp_path, text):

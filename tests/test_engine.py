@@ -109,6 +109,8 @@ def test_manifests_of_older_engines_still_open(engine_dir, tmp_path):
 @pytest.mark.parametrize("text,tree", [
     ("chain:3", TreeConfig("chain", depth=3)),
     ("dynamic:16/6/4", TreeConfig("dynamic", total_tokens=16, depth=6, top_k=4)),
+    ("cost:6/4", TreeConfig("cost", depth=6, top_k=4)),
+    ("cost:3/1", TreeConfig("cost", depth=3, top_k=1)),
     ("static", TreeConfig("static")),
     ("auto", None),
 ])
@@ -119,10 +121,17 @@ def test_tree_grammar_round_trips(text, tree):
 
 
 @pytest.mark.parametrize("text", ["chain", "chain:0", "chain:x", "dynamic:16/6", "dynamic:1/3/3", "static:3",
-                                  "tree", "chain d3", "chain-4"])
+                                  "tree", "chain d3", "chain-4", "cost", "cost:6", "cost:0/4", "cost:6/0",
+                                  "cost:64/6/4"])
 def test_tree_grammar_refuses(text):
     with pytest.raises(ValueError, match="bad tree"):
         TreeConfig.parse(text)
+
+
+@pytest.mark.parametrize("text,max_nodes", [("cost:6/4", 64), ("cost:3/3", 22), ("cost:3/1", 4), ("cost:1/2", 3)])
+def test_cost_tree_verifies_at_most_its_pool_up_to_the_cap(text, max_nodes):
+    """The root + every candidate the levels draft (top_k + (depth - 1) * top_k^2), at most COST_MAX_NODES."""
+    assert TreeConfig.parse(text).max_nodes == max_nodes
 
 
 def test_chain_length_is_what_it_drafts(models, prompts):

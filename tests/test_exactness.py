@@ -10,6 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eaglex.runtime import batch as batch_mod
+from eaglex.runtime import drafter as drafter_mod
+from eaglex.runtime.cost import CostCurve
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
@@ -23,7 +26,13 @@ CASES = [
     ("eagle2-dynamic", "eagle1", TreeConfig.parse("dynamic:60/8/10"), 1.5),
     ("eagle1-static", "eagle1", TreeConfig("static"), 1.5),
     ("chain", "eagle3", TreeConfig.chain(6), 1.8),
+    ("eagle3-cost", "eagle3", TreeConfig.parse("cost:6/4"), 1.8),      # sized by the measured cost curve
+    ("eagle2-cost", "eagle1", TreeConfig.parse("cost:5/3"), 1.5),
 ]
+# Cost curves whose choices differ: on a flat one every candidate with any draft probability pays, on a steep one
+# (each row as dear as a one-row forward) only the ones the draft is sure of, or the root alone.
+CURVES = {"flat": CostCurve(((1, 10.0), (64, 10.0)), ((1, 1.0), (64, 1.0)), 256),
+          "steep": CostCurve(((1, 10.0), (64, 640.0)), ((1, 1.0), (64, 1.0)), 256)}
 
 
 @pytest.fixture(scope="session")
@@ -66,6 +75,27 @@ def test_speculative_matches_vanilla(target, case, head, tree, floor, models, pr
     assert tau >= floor, f"tau {tau:.2f} below {floor}: the head no longer gets drafts accepted"
     assert max(lengths) >= 4, "no deep path was ever accepted"
     assert min(lengths) == 1 or lengths.count(max(lengths)) < len(lengths), "no draft was ever rejected"
+
+
+@pytest.mark.parametrize("target", ["llama", "qwen2"])
+def test_cost_tree_sizes_follow_the_curve_and_stay_exact(target, models, prompts, reference, monkeypatch):
+    """Whatever size the cost model picks per cycle, from the root alone to dozens of nodes, the output is
+    vanilla's; a flat curve verifies bigger trees than a steep one."""
+    hf_out, vanilla = reference[target]
+    backend = TorchBackend(models[target], models[f"{target}/eagle3"])
+    select = drafter_mod.select_dynamic
+    sizes = {}
+    for name, curve in CURVES.items():
+        seen = sizes[name] = []
+        monkeypatch.setattr(batch_mod, "cost_curve", lambda b, curve=curve: curve)
+        monkeypatch.setattr(drafter_mod, "select_dynamic", lambda *a, seen=seen: (seen.append(a[-1]), select(*a))[1])
+        gen = SpeculativeGenerator(backend, TreeConfig.parse("cost:6/4"))
+        for i, p in enumerate(prompts):
+            r = gen.generate(p, MAX_NEW)
+            assert r.output_ids == vanilla[i] == hf_out[i], (name, i)
+    flat, steep = sizes["flat"], sizes["steep"]
+    assert min(steep) == 1, "the steep curve never verified the root alone"
+    assert max(flat) > max(steep) and sum(flat) / len(flat) > sum(steep) / len(steep)
 
 
 @pytest.mark.parametrize("target", ["llama", "qwen2"])

@@ -16,8 +16,10 @@ import torch
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
+from eaglex.runtime import cost as cost_mod
 from eaglex.runtime.backend import ONE
-from eaglex.runtime.manifest import MANIFEST, read_manifest
+from eaglex.runtime.cost import CostCurve, cost_curve
+from eaglex.runtime.manifest import MANIFEST, read_manifest, write_manifest
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
 from eaglex.runtime.torch_backend import TorchBackend
@@ -74,6 +76,30 @@ def test_ort_speculative_matches_vanilla_and_torch(name, engines, models, prompt
         assert r.output_ids == want, p
         taus.append(r.tau)
     assert sum(taus) / len(taus) > floor
+
+
+@pytest.mark.parametrize("name,tree", [("llama-eagle3", "cost:6/4"), ("qwen2-eagle1", "cost:5/3")])
+def test_ort_cost_tree_matches_vanilla(name, tree, engines, prompts, tmp_path, monkeypatch):
+    """A cost tree on ONNX Runtime decodes vanilla's tokens, sized by the curve measured on first use, and by the
+    one tuning stored in the manifest (nothing is measured then)."""
+    tree = TreeConfig.parse(tree)
+    backend = OrtBackend(engines[name])
+    vanilla = VanillaGenerator(backend)
+    want = [vanilla.generate(p, MAX_NEW).output_ids for p in prompts]
+    assert [SpeculativeGenerator(backend, tree).generate(p, MAX_NEW).output_ids for p in prompts] == want
+    stored = CostCurve(((1, 10.0), (64, 640.0)), ((1, 1.0), (64, 1.0)), 256)
+    folder = tmp_path / name
+    shutil.copytree(engines[name], folder)
+    m = read_manifest(folder)
+    m["tuning"] = {"cpu": "test", **stored.to_tuning()}
+    write_manifest(folder, m)
+    monkeypatch.setattr(cost_mod, "measure_curve", lambda b: pytest.fail("the stored curve was not used"))
+    backend = OrtBackend(folder)
+    assert cost_curve(backend) == stored
+    gen = SpeculativeGenerator(backend, tree)
+    results = [gen.generate(p, MAX_NEW) for p in prompts]
+    assert [r.output_ids for r in results] == want
+    assert sum(r.tau for r in results) / len(results) > 1.5
 
 
 def test_draft_steps_match_torch(engines, models):

@@ -1,8 +1,12 @@
-"""Tree structure: masks / depths / paths from parents, the EAGLE-2 rerank, EAGLE-1 static plans."""
+"""Tree structure: masks / depths / paths from parents, the EAGLE-2 rerank, the cost tree's size, EAGLE-1 static
+plans."""
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from eaglex.runtime.tree import (MC_SIM_7B_63, chain_tree, next_frontier, select_dynamic, static_plan,
+from eaglex.runtime.tree import (MC_SIM_7B_63, chain_tree, cost_size, next_frontier, select_dynamic, static_plan,
                                  tree_from_parents)
 
 T, F = True, False
@@ -158,3 +162,63 @@ def test_select_dynamic(name, scores, tokens, parents, num_nodes, want_tokens, w
 def test_select_dynamic_rejects(scores, parents, num_nodes):
     with pytest.raises(ValueError):
         select_dynamic(torch.tensor(scores), torch.arange(len(scores)), torch.tensor(parents), 99, num_nodes)
+
+
+L = math.log
+FLAT = [10.0] * 9                                   # verifying 1..9 rows costs the same
+STEEP = [10.0 + 10.0 * m for m in range(9)]         # every row costs as much as the one-row forward
+LINEAR = [10.0, 12.0, 14.0, 16.0, 18.0]             # 2 ms a row
+
+# (name, scores (one request [C], or a batch [B, C]), verify_ms[m] for m candidates, fixed_ms, expected m)
+COST = [
+    ("flat-picks-all", [L(0.9), L(0.5), L(0.2), L(0.1)], FLAT, 5.0, 4),
+    ("flat-capped-by-curve", [L(0.9)] * 12, FLAT, 5.0, 8),
+    ("steep-picks-few", [L(0.9), L(0.5), L(0.2), L(0.1)], STEEP, 5.0, 1),
+    ("steep-unsure-root-only", [L(0.4), L(0.3)], STEEP, 5.0, 0),
+    # (1 + sum p) / (fixed + t): 1/10, 1.9/12, 2.4/14, 2.5/16, 2.55/18 -> the third is best
+    ("interior-optimum", [L(0.9), L(0.5), L(0.1), L(0.05)], LINEAR, 0.0, 2),
+    ("order-does-not-matter", [L(0.05), L(0.5), L(0.9), L(0.1)], LINEAR, 0.0, 2),
+    # a larger fixed cost (the draft's) makes a bigger tree pay: 1/110, 1.9/112, ..., 2.55/118
+    ("fixed-cost-pays-for-more", [L(0.9), L(0.5), L(0.1), L(0.05)], LINEAR, 100.0, 4),
+    ("near-zero-probabilities-root-only", [-50.0, -60.0, -70.0], FLAT, 5.0, 0),
+    ("empty-pool", np.zeros((1, 0)), FLAT, 5.0, 0),
+    # equal rates: 1/10 == 2/20 -> the smaller tree
+    ("tie-to-smaller", [0.0], [10.0, 20.0], 0.0, 0),
+    ("no-room-beyond-the-root", [L(0.99)], [10.0], 0.0, 0),
+    # a batch: one m for both; the sure request pays for rows the unsure one does not fill
+    ("batch-summed", [[L(0.95), L(0.9), L(0.85)], [L(0.01), L(0.01), L(0.01)]], LINEAR, 0.0, 3),
+    ("batch-both-unsure", [[L(0.1), L(0.1)], [L(0.1), L(0.1)]], STEEP, 0.0, 0),
+]
+
+
+@pytest.mark.parametrize("name,scores,verify_ms,fixed_ms,want", COST, ids=[c[0] for c in COST])
+def test_cost_size(name, scores, verify_ms, fixed_ms, want):
+    assert cost_size(np.asarray(scores, dtype=np.float32), verify_ms, fixed_ms) == want
+
+
+def test_cost_size_is_the_brute_force_argmax():
+    """Against the rule spelled out: for random pools and monotone curves, the m of the best rate (the first)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        B, C, M = rng.integers(1, 4), rng.integers(0, 30), rng.integers(0, 40)
+        scores = np.cumsum(-rng.exponential(1.0, (B, C)), axis=1)
+        verify = np.cumsum(rng.uniform(0.0, 3.0, M + 1)) + 5.0
+        fixed = rng.uniform(0.0, 20.0)
+        probs = [sorted((math.exp(x) for x in row), reverse=True) for row in scores.tolist()]
+        rates = [sum(1 + sum(p[:m]) for p in probs) / (fixed + verify[m]) for m in range(min(C, M) + 1)]
+        assert cost_size(scores, verify, fixed) == int(np.argmax(rates))
+
+
+def test_cost_size_prefix_is_a_tree():
+    """The best-first prefix of any size is connected (a parent never scores below its child and ties go to the
+    lower index): select_dynamic keeps whatever m cost_size picks without refusing it."""
+    scores = torch.tensor([-0.1, -1.0, -0.1, -0.5, -1.0, -1.0, -0.1])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2])
+    for m in range(len(scores) + 1):
+        tree = select_dynamic(scores, torch.arange(10, 17), parents, 99, m + 1)
+        assert tree.size == m + 1
+
+
+def test_cost_size_rejects_an_empty_curve():
+    with pytest.raises(ValueError):
+        cost_size([0.0], [], 1.0)

@@ -15,6 +15,7 @@ from eaglex.serving.loader import load
 from eaglex.engines.tune import tune_engine
 from eaglex.runtime.autotune import TuneRow
 from eaglex.runtime.batch import Schedule
+from eaglex.runtime.cost import COST_SIZES, CostCurve, cost_curve
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.manifest import MANIFEST, read_manifest, write_manifest
@@ -75,7 +76,10 @@ def test_tuning_stores_the_fastest_as_the_default(case, fresh, measured, prompts
     m = read_manifest(fresh)
     assert m["tree"] == "chain:2" and m["method"] == "eagle3"             # the head's method and best tree stay
     assert m["tuning"]["method"] == want and m["batch_schedule"] == str(SCHEDULE)
+    curve = CostCurve.from_tuning(m["tuning"])            # the cost trees' curve, measured while tuning
+    assert [n for n, _ in curve.verify_ms] == list(COST_SIZES) == [n for n, _ in curve.draft_ms]
     engine = open_engine(fresh)
+    assert cost_curve(engine.backend) == curve
     assert engine.method == want
     if want == "vanilla":
         assert engine.tree is None and engine.kept_tree == BEST
