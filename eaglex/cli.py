@@ -313,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--method", choices=("eagle3", "eagle1"), default="eagle3",
                      help="eagle3: training-time test, reduced vocabulary; eagle1: EAGLE-1/2 feature regression")
     trn.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    trn.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                     help="continue training this head (one of ours, or an official EAGLE checkpoint for this target; "
+                          "of the --method kind) instead of fresh weights; its shape and draft vocabulary are kept")
+    trn.add_argument("--lr", type=float, help="peak learning rate (default 2e-3, sized for fresh weights; lower, "
+                                              "e.g. 3e-4, to fine-tune with --init)")
     trn.add_argument("--device", default="auto", help=DEVICE_HELP + " (generation, training and the τ report)")
     return parser
 
@@ -697,10 +702,11 @@ def cmd_train_draft(args) -> int:
     from eaglex.runtime.device import resolve_device
     from eaglex.training.train_draft import TrainDraftConfig, train_draft
 
-    report = train_draft(args.target, args.data, args.out, TrainDraftConfig(method=args.method, steps=args.steps),
-                         device=resolve_device(args.device))
+    cfg = TrainDraftConfig(method=args.method, steps=args.steps, init=args.init and str(args.init), lr=args.lr)
+    report = train_draft(args.target, args.data, args.out, cfg, device=resolve_device(args.device))
     best = max(report["tau"], key=lambda r: r["tau"])
-    print(f"wrote {args.out} ({args.method}, {args.steps} steps, loss {report['first_loss']:.3f} -> "
+    start = f" from {args.init}" if args.init else ""
+    print(f"wrote {args.out} ({args.method}{start}, {args.steps} steps, loss {report['first_loss']:.3f} -> "
           f"{report['final_loss']:.3f}); best tau {best['tau']:.2f} ({best['shape']})")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,9 +21,10 @@ from eaglex.training import corpus, data, tokenizer
 from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle1 import head_config as eagle1_config
-from eaglex.training.eagle3 import Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, vocab_map
+from eaglex.training.eagle3 import (Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, ttt_loss,
+                                    vocab_map)
 from eaglex.training.heads import Teacher, new_head, teacher, teacher_outputs
-from eaglex.training.loop import OptimConfig
+from eaglex.training.loop import OptimConfig, step_generator
 from eaglex.training.report import tau_table
 from eaglex.training.selfdistill import SelfDistillConfig, generate
 from eaglex.training.target import TargetConfig, train_target
@@ -115,7 +117,7 @@ def test_saved_head_loads_through_the_official_loader(llama, tmp_path, kind):
         state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
         assert "embed_tokens.weight" not in state and state["t2d"].dtype == torch.bool and "midlayer.fc" not in state
     else:
-        save_eagle1(head, config, llama, tmp_path)
+        save_eagle1(head, config, tmp_path)
         state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
         assert "layers.0.self_attn.q_proj.weight" in state and "embed_tokens.weight" in state and "fc.bias" in state
     loaded = load_draft(tmp_path, llama)
@@ -251,6 +253,111 @@ def test_train_draft_end_to_end(models, tmp_path, monkeypatch):
     report = json.loads((out / "train_report.json").read_text())
     assert report["steps"] == 3 and report["tau"][0]["identical"] == 2
     assert (out / "checkpoints" / "eagle1.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ --init
+
+def _head_out(head, seed: int = 0) -> torch.Tensor:
+    """One draft step of `head` over random features and tokens (the function a head computes)."""
+    g = torch.Generator().manual_seed(seed)
+    n, d = 6, head.spec
+    hidden = torch.randn(1, n, max(1, len(d.taps)) * d.hidden_size, generator=g)   # EAGLE-3: 3 fused layers
+    ids = torch.randint(0, d.vocab_size, (1, n), generator=g)
+    with torch.no_grad():
+        return head(hidden, ids, torch.arange(n)[None], full_mask(None, 1, n, 0, 0),
+                    new_cache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+
+
+def test_eagle3_init_first_loss_is_the_loaded_heads(llama, selfdistill, models):
+    """Training from --init starts at the head it loads: the first step's loss is that head's TTT loss on the same
+    batch (computed here without the trainer's fc preconditioning), well below a fresh head's."""
+    path = models["llama/eagle3"]
+    cfg = Eagle3Config(ttt_steps=3, batch=8, init=str(path), optim=replace(FAST, steps=1, bf16=False))
+    _, _, _, losses = train_eagle3(llama, selfdistill, cfg, threads=1)
+    loaded = load_draft(path, llama)
+    view = llama.with_features("eagle3", loaded.spec.taps)
+    keep = torch.arange(loaded.spec.draft_vocab_size) + loaded.d2t
+    t2d = torch.zeros(llama.spec.vocab_size, dtype=torch.bool)
+    t2d[keep] = True
+    tokens, mask = selfdistill.tokens, selfdistill.loss_mask(True)
+    idx = torch.randint(tokens.shape[0], (8,), generator=step_generator(0, 0))
+    with torch.no_grad():
+        want, _ = ttt_loss(loaded, *Teacher(view, tokens, keep, 4.0, 8)(idx), tokens[idx], mask[idx], t2d, 3, 0.8)
+    assert losses[0] == pytest.approx(want.item(), rel=1e-4)
+    _, _, _, fresh = train_eagle3(llama, selfdistill, replace(cfg, init=None, draft_vocab_size=40), threads=1)
+    assert fresh[0] > 1.5 * losses[0], (fresh[0], losses[0])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_init_at_zero_learning_rate_keeps_the_head(llama, selfdistill, models, tmp_path, kind):
+    """With nothing learnt, the trained head is the loaded one (EAGLE-3's fc preconditioning folds back) and saves
+    with the loaded head's config and draft vocabulary."""
+    path = models[f"llama/{kind}"]
+    still = replace(FAST, steps=2, lr=0.0)
+    if kind == "eagle3":
+        head, config, t2d, _ = train_eagle3(llama, selfdistill, Eagle3Config(ttt_steps=2, batch=4, init=str(path),
+                                                                             optim=still), threads=1)
+        save_eagle3(head, config, t2d, tmp_path)
+    else:
+        head, config, _ = train_eagle1(llama, selfdistill, Eagle1Config(batch=4, init=str(path), optim=still),
+                                       threads=1)
+        save_eagle1(head, config, tmp_path)
+    loaded = load_draft(path, llama)
+    torch.testing.assert_close(_head_out(head), _head_out(loaded), atol=1e-5, rtol=1e-5)
+    assert config == json.loads((path / "config.json").read_text())
+    saved = load_draft(tmp_path, llama)
+    assert saved.spec == loaded.spec
+    if kind == "eagle3":
+        assert torch.equal(saved.d2t, loaded.d2t) and int(t2d.sum()) == loaded.spec.draft_vocab_size
+
+
+def _prompt_file(tmp_path) -> Path:
+    g = torch.Generator().manual_seed(5)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(20):
+            f.write(json.dumps({"input_ids": torch.randint(0, 48, (10,), generator=g).tolist()}) + "\n")
+    return tmp_path / "data.jsonl"
+
+
+def test_train_draft_init_end_to_end(models, tmp_path, monkeypatch):
+    from eaglex.cli import main
+    from eaglex.training import train_draft as td
+
+    small = functools.partial(td.TrainDraftConfig, eval_prompts=2, eval_new_tokens=8,
+                              selfdistill=SelfDistillConfig(new_tokens=16))
+    monkeypatch.setattr(td, "TrainDraftConfig", small)
+    monkeypatch.setattr(td, "SHAPES", {"chain": TreeConfig.chain(3)})
+    out, init = tmp_path / "head", models["llama/eagle3"]
+    assert main(["train-draft", "--target", str(models["llama"]), "--data", str(_prompt_file(tmp_path)),
+                 "--out", str(out), "--init", str(init), "--lr", "3e-4", "--steps", "3"]) == 0
+    target = load_target(models["llama"])
+    assert torch.equal(load_draft(out, target).d2t, load_draft(init, target).d2t)   # not the data's vocabulary
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["init"] == str(init) and report["config"]["lr"] == 3e-4 and report["tau"][0]["identical"] == 2
+
+
+def _other_hidden_size(head: Path, dest: Path) -> Path:
+    shutil.copytree(head, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64}))
+    return dest
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda m, tmp: m["llama/eagle1"], "is an eagle1 head; training eagle3 needs an eagle3 head"),
+    (lambda m, tmp: _other_hidden_size(m["llama/eagle3"], tmp / "h64"), "has hidden size 64"),
+    (lambda m, tmp: tmp / "missing", "does not exist"),
+])
+def test_train_draft_init_refuses_a_head_that_does_not_fit(models, tmp_path, capsys, bad, message):
+    """In one line, before any data is generated."""
+    from eaglex.cli import main
+
+    out = tmp_path / "head"
+    assert main(["train-draft", "--target", str(models["llama"]), "--data", str(_prompt_file(tmp_path)),
+                 "--out", str(out), "--init", str(bad(models, tmp_path)), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (out / "checkpoints" / "selfdistill.pt").exists()
 
 
 # ------------------------------------------------------------------------------------------------ the default

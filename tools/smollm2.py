@@ -367,7 +367,7 @@ def stage_head(p: Paths, cfg: BuildConfig, kind: str, threads: int, device: str 
         steps = cfg.eagle3.optim.steps
     else:
         head, config, losses = train_eagle1(target, data, cfg.eagle1, eos, p.work / "eagle1.pt", threads)
-        save_eagle1(head, config, target, fresh(p.out / "eagle1"))
+        save_eagle1(head, config, fresh(p.out / "eagle1"))
         steps = cfg.eagle1.optim.steps
     secs = time.perf_counter() - t0
     tail = losses[-20:]

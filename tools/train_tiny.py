@@ -200,7 +200,7 @@ def stage_eagle1(p: Paths, cfg: TinyConfig) -> dict:
     target = load_target(p.target)
     sd = SelfDistillData.load(p.work / "selfdistill.pt")
     head, config, losses = train_eagle1(target, sd, cfg.eagle1, target.spec.eos_ids[0], p.work / "eagle1.pt", 1)
-    save_eagle1(head, config, target, fresh(p.out / "eagle1"))
+    save_eagle1(head, config, fresh(p.out / "eagle1"))
     return {"final_loss": _tail(losses)}
 
 

@@ -7,7 +7,7 @@ noise (U - 0.5) · 0.2 · 512 / T on the input features. The target's lm_head is
 
 Saved in the official EAGLE-1 layout: LlamaConfig-style config.json (target vocab, the target's rope_theta, no
 draft_vocab_size) and pytorch_model.bin in float16 with fc (+ bias), layers.0.* (no input_layernorm) and a copy
-of the target's embed_tokens, as the released heads carry.
+of the target's embed_tokens, as the released heads carry. With `init`, training continues from an existing head.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target, causal_mask
 
-from .heads import Teacher, causal_cache, layer_config, new_head, save_head
+from .heads import Teacher, causal_cache, init_head, layer_config, new_head, save_head
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -38,6 +38,7 @@ class Eagle1Config:
     batch: int = 8
     seed: int = 0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=2e-3, warmup=30))
+    init: str | None = None                # a head folder to continue training; its shape replaces the sizes above
 
 
 def head_config(target: Target, cfg: Eagle1Config, eos_id: int | None) -> dict:
@@ -83,8 +84,12 @@ def train_eagle1(target: Target, data: SelfDistillData, cfg: Eagle1Config, eos_i
     seed_everything(cfg.seed, threads)
     target = target.with_features("eagle1")
     mask = data.loss_mask(cfg.loss_on_prompt)
-    config = head_config(target, cfg, eos_id)
-    head = new_head(target, config, "eagle1")
+    if cfg.init:
+        head, config = init_head(target, cfg.init, "eagle1")
+        run_key = {"init": digest(*head.parameters())}
+    else:
+        config = head_config(target, cfg, eos_id)
+        head, run_key = new_head(target, config, "eagle1"), {}
     teach = Teacher(target, data.tokens, None, cfg.teacher_cache_gb, cfg.batch)
 
     def loss_fn(step: int):
@@ -96,9 +101,10 @@ def train_eagle1(target: Target, data: SelfDistillData, cfg: Eagle1Config, eos_i
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle1",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),
-                    "target": digest(target.embed_weight, target.lm_head.weight)})
+                    "target": digest(target.embed_weight, target.lm_head.weight), **run_key})
     return head, config, losses
 
 
-def save_eagle1(head: DraftHead, config: dict, target: Target, out: str | Path) -> None:
-    save_head(head, config, out, {"embed_tokens.weight": target.embed_weight})
+def save_eagle1(head: DraftHead, config: dict, out: str | Path) -> None:
+    # the embedding the head read: the target's, or the copy an --init head's file carried (the loader lets it win)
+    save_head(head, config, out, {"embed_tokens.weight": head._embed[0].weight})

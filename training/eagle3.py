@@ -8,7 +8,8 @@ slot t only (its own draft chain): exactly what a depth-(s+1) draft node sees at
 the soft cross-entropy against the target's softmax restricted to the draft vocabulary at position t+1+s,
 masked where the target's argmax lies outside it, averaged over B·(T-1) slots, and weighted 0.8^s.
 One departure, in initialisation only: lm_head and the final norm start as the target's rows of the draft vocabulary
-and its final norm (the official code starts them at random), which a small training budget needs.
+and its final norm (the official code starts them at random), which a small training budget needs. With `init`, the
+head instead starts as an existing head (fine-tuning): its shape, feature taps and draft vocabulary are kept.
 
 Saved in the official layout: config.json like `yuhuili/EAGLE3-LLaMA3.1-Instruct-8B` (plus draft_vocab_size) and
 pytorch_model.bin in float16 with fc / midlayer.* / norm / lm_head / d2t / t2d and no embed_tokens.
@@ -25,7 +26,7 @@ import torch
 from eaglex.models.eagle import DraftHead
 from eaglex.models.target import Target, eagle3_taps, rope
 
-from .heads import Teacher, layer_config, new_head, save_head
+from .heads import Teacher, init_head, layer_config, new_head, save_head
 from .loop import OptimConfig, digest, logged, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
 
@@ -45,6 +46,9 @@ class Eagle3Config:
     batch: int = 8
     seed: int = 0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=2e-3, warmup=30))
+    # A head folder to continue training instead of fresh weights; its own shape and draft vocabulary replace
+    # draft_vocab_size, intermediate_size, num_heads, num_kv_heads and init_from_target.
+    init: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ vocabulary
@@ -170,22 +174,36 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
     """Returns (head, config dict, t2d, per-step losses). `teacher_cache`: heads.teacher_outputs of the data for
     prepare_teacher's vocabulary, computed elsewhere (make tiny splits it over two processes)."""
     seed_everything(cfg.seed, threads)
-    target, d2t, t2d = prepare_teacher(target, data, cfg)
-    keep = t2d.nonzero().squeeze(1)                                      # the draft vocabulary's target ids
+    run_key = {}
+    if cfg.init:
+        head, config = init_head(target, cfg.init, "eagle3")
+        d2t = head.d2t.cpu()
+        target = target.with_features("eagle3", head.spec.taps)
+        run_key["init"] = digest(*head.parameters(), d2t)
+    else:
+        target, d2t, _ = prepare_teacher(target, data, cfg)
+        config = head_config(target, cfg, eos_id)
+        head = new_head(target, config, "eagle3")
+        head.d2t.copy_(d2t)
+    # The target id of each draft id in lm_head's row order (prepare_teacher's vocabulary lists them ascending;
+    # a loaded head's d2t need not).
+    keep = torch.arange(d2t.numel()) + d2t
+    t2d = torch.zeros(target.spec.vocab_size, dtype=torch.bool)
+    t2d[keep] = True
     mask = data.loss_mask(cfg.loss_on_prompt)
-    config = head_config(target, cfg, eos_id)
-    head = new_head(target, config, "eagle3")
-    head.d2t.copy_(d2t)
-    if cfg.init_from_target:   # the official code starts lm_head at random; the target's rows train much faster
-        with torch.no_grad():
+    if cfg.init_from_target and not cfg.init:   # the official code starts lm_head at random; the target's rows
+        with torch.no_grad():                   # train much faster
             head.lm_head.weight.copy_(target.lm_head.weight[keep])
             head.norm.weight.copy_(target.inner.norm.weight)
     teach = Teacher(target, data.tokens, keep, cfg.teacher_cache_gb, cfg.batch, teacher_cache)
     dev = target.embed_weight.device   # the head trains where the target runs; batches are drawn on the host
     t2d_dev = t2d.to(dev)
     scale = feature_scale(teach, data, cfg) if cfg.precondition_fc else None
+    if scale is not None and cfg.init:   # fc(x * scale) with weight / scale is the loaded head's fc(x)
+        with torch.no_grad():
+            head.fc.weight.div_(scale)
     coverage = float(data.token_counts(target.spec.vocab_size, mask)[t2d].sum()) / max(1, int(mask.sum()))
-    print(f"eagle3: draft vocabulary {cfg.draft_vocab_size} of {target.spec.vocab_size} covers "
+    print(f"eagle3: draft vocabulary {d2t.numel()} of {target.spec.vocab_size} covers "
           f"{100 * coverage:.1f}% of the training tokens")
 
     def loss_fn(step: int):
@@ -195,7 +213,7 @@ def train_eagle3(target: Target, data: SelfDistillData, cfg: Eagle3Config, eos_i
 
     losses = train(head, loss_fn, cfg.optim, checkpoint, "eagle3 (TTT)",
                    {"config": asdict(cfg), "data": digest(data.tokens, data.prompt_len),
-                    "target": digest(target.embed_weight, target.lm_head.weight)})
+                    "target": digest(target.embed_weight, target.lm_head.weight), **run_key})
     if scale is not None:   # fc(x * scale) == (fc.weight * scale) x: the saved head is a plain official fc
         with torch.no_grad():
             head.fc.weight.mul_(scale)

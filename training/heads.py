@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from eaglex.models.eagle import DraftHead, DraftSpec
+from eaglex.base.errors import ModelError
+from eaglex.models.eagle import DraftHead, DraftSpec, load_draft
 from eaglex.models.target import ConcatCache, Target, causal_mask, eagle3_taps
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
@@ -33,6 +34,20 @@ def new_head(target: Target, config: dict, kind: str) -> DraftHead:
     rope_cfg.max_position_embeddings = max(rope_cfg.max_position_embeddings, target.spec.max_context)
     head = DraftHead(spec, rope_cfg, target.inner.embed_tokens, target.lm_head)
     return head.float().to(target.embed_weight.device).train().requires_grad_(True)
+
+
+def init_head(target: Target, path: str | Path, kind: str) -> tuple[DraftHead, dict]:
+    """A trainable float32 copy of the `kind` head in `path` and its config.json, to continue training from.
+
+    It is read by models.eagle.load_draft, as the runtime reads it (our safetensors heads, the official layouts;
+    weights_only / safetensors, never arbitrary pickles), which also checks that it fits `target`: hidden size,
+    vocabulary, tensor shapes, a d2t inside the target's vocabulary. A mismatch is a one-line ModelError.
+    """
+    head = load_draft(path, target)
+    if head.spec.kind != kind:
+        raise ModelError(f"--init {path} is an {head.spec.kind} head; training {kind} needs an {kind} head")
+    config = json.loads((Path(path) / "config.json").read_text())
+    return head.float().to(target.embed_weight.device).train().requires_grad_(True), config
 
 
 def layer_config(target: Target, cfg, eos_id: int | None) -> dict:

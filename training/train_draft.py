@@ -10,6 +10,8 @@
 `self-instruct:N` instead of a file: N instructions the target writes itself (selfinstruct.py: its chat template's
 pre-query text, sampled, filtered and deduplicated, a share with a follow-up turn), in its chat template; the held-out
 prompts are more of them, never trained on.
+`init`: the head starts as an existing one (ours, or an official EAGLE checkpoint for this target, as the runtime
+loads it) instead of fresh weights: adapting a released head to one's own prompts, at a lower learning rate.
 Everything resumable lives under OUT/checkpoints/: the generated instructions and data, and the optimiser state.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from .eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from .eagle3 import Eagle3Config, save_eagle3, train_eagle3
+from .heads import init_head
 from .loop import default_threads
 from .report import SHAPES, format_table, tau_table
 from .selfdistill import SelfDistillConfig, SelfDistillData, generate
@@ -86,6 +89,8 @@ class TrainDraftConfig:
     min_prompt_tokens: int = 4          # shorter prompts are skipped
     eval_prompts: int = 8               # the last lines of the data file, never trained on
     eval_new_tokens: int = 128
+    init: str | None = None             # a head folder (of kind `method`) to continue training from
+    lr: float | None = None             # None: the method's default (2e-3, for fresh weights)
     selfdistill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
     self_instruct: SelfInstructConfig = field(default_factory=SelfInstructConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
@@ -104,10 +109,14 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
         raise ModelError(f"--method must be eagle3 or eagle1, got {cfg.method!r}")
     if cfg.steps < 1:
         raise ModelError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise ModelError(f"--lr must be > 0, got {cfg.lr}")
     out, threads = Path(out), threads or default_threads()
     ckpt = out / "checkpoints"
     ckpt.mkdir(parents=True, exist_ok=True)
     target = load_target(target_dir, device=device)
+    if cfg.init:   # a head that does not fit fails now, not after generating the data
+        init_head(target, cfg.init, cfg.method)
     tokenizer = load_tokenizer(target_dir)
     n_instruct = self_instruct_count(str(data_file))
     if n_instruct:
@@ -132,17 +141,20 @@ def train_draft(target_dir: str | Path, data_file: str | Path, out: str | Path,
         data.save(data_file_ckpt)
     eos = target.spec.eos_ids[0] if target.spec.eos_ids else None
     if cfg.method == "eagle3":
-        hcfg = replace(cfg.eagle3, optim=replace(cfg.eagle3.optim, steps=cfg.steps))
+        optim = replace(cfg.eagle3.optim, steps=cfg.steps, lr=cfg.lr or cfg.eagle3.optim.lr)
+        hcfg = replace(cfg.eagle3, optim=optim, init=cfg.init)
         head, config, t2d, losses = train_eagle3(target, data, hcfg, eos, ckpt / "eagle3.pt", threads)
         save_eagle3(head, config, t2d, out)
     else:
-        hcfg = replace(cfg.eagle1, optim=replace(cfg.eagle1.optim, steps=cfg.steps))
+        optim = replace(cfg.eagle1.optim, steps=cfg.steps, lr=cfg.lr or cfg.eagle1.optim.lr)
+        hcfg = replace(cfg.eagle1, optim=optim, init=cfg.init)
         head, config, losses = train_eagle1(target, data, hcfg, eos, ckpt / "eagle1.pt", threads)
-        save_eagle1(head, config, target, out)
+        save_eagle1(head, config, out)
     rows = tau_table(target_dir, {cfg.method: out}, eval_prompts, SHAPES, cfg.eval_new_tokens, device=device)
     print(format_table(rows))
-    report = {"method": cfg.method, "steps": cfg.steps, "train_sequences": int(data.tokens.shape[0]),
-              "sequence_length": int(data.tokens.shape[1]), "first_loss": losses[0], "final_loss": losses[-1],
+    report = {"method": cfg.method, "init": cfg.init, "steps": cfg.steps,
+              "train_sequences": int(data.tokens.shape[0]), "sequence_length": int(data.tokens.shape[1]),
+              "first_loss": losses[0], "final_loss": losses[-1],
               "tau": [asdict(r) for r in rows], "config": asdict(cfg)}
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
