@@ -66,7 +66,9 @@ LLAMACPP      ?= llama-cpp-python==0.3.36
 # llama.cpp's llama-server + llama-quantize, built once from that sdist's source (tools/build_llamacpp.sh, ~15 min
 # on 2 cores): its own EAGLE-3 with the head written by `eaglex export --to llama.cpp`, F32 / Q8_0 / packaged targets
 LLAMACPP_BUILD ?= build/llama.cpp
-smol_engine = [ -d engines/smollm2-135m-$(1) ] || { $(BIN)/eaglex build --target $(SMOL_GGUF) --backend onnxruntime \
+# built when absent or unreadable (an engine of an older format is rebuilt)
+smol_engine = $(BIN)/python -c "from eaglex.runtime.manifest import read_manifest as r; r('engines/smollm2-135m-$(1)')" \
+	2>/dev/null || { $(BIN)/eaglex build --force --target $(SMOL_GGUF) --backend onnxruntime \
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
 	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 int4 eagle1,$(1)),--quant-draft) && \
 	$(BIN)/eaglex tune --engine engines/smollm2-135m-$(1) --prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS); }
@@ -91,7 +93,8 @@ BENCH_TINY_QUANT ?= int8 fp8
 BENCH_TINY_CAL   ?= build/tiny-fp8
 # The tiny bench runs the first BENCH_TINY_PROMPTS of models/tiny/prompts.jsonl (all 48 take twice the time).
 BENCH_TINY_PROMPTS ?= 24
-bench_tiny_quant = [ -d engines/tiny-$(1) ] || { $(BIN)/eaglex build --target models/tiny/target \
+bench_tiny_quant = $(BIN)/python -c "from eaglex.runtime.manifest import read_manifest as r; r('engines/tiny-$(1)')" \
+	2>/dev/null || { $(BIN)/eaglex build --force --target models/tiny/target \
 	--draft models/tiny/eagle3 --backend onnxruntime --out engines/tiny-$(1) --quant $(1) \
 	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL)) && $(BIN)/eaglex tune --engine engines/tiny-$(1) \
 	--prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS); }
