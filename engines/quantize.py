@@ -7,12 +7,12 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
         the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
         attention; the TensorRT-LLM bundle is where they are used). Same exactness rules as int8.
 - int8 / int4: MatMulNBits (8- or 4-bit weights in blocks of 32, accuracy level 4: int8 activations, ONNX Runtime's
-  fast CPU kernel); needs no calibration. The target's attention is rewritten row-independently
-  (export/row_attention.py), so a row's logits are bit-identical however many rows share the call, wherever its
-  keys sit in the cache and whatever it is batched with: the manifest's `exactness` records
-  `row_independent_keys` (calls seeing up to that many keys) and the runtime keeps no rule but that bound
-  (runtime/ort_backend.py). FP8 engines keep the exactness rules (EXACT_RULES below): target calls of two rows or
-  more, a KV cache without holes, chain trees, one request at a time.
+  fast CPU kernel); needs no calibration. The target's attention is row-independent since the float build
+  (export/row_attention.py; checked here for the target's heads), so a row's logits are bit-identical however many
+  rows share the call, wherever its keys sit in the cache and whatever it is batched with: the manifest's
+  `exactness` records `row_independent_keys` (calls seeing up to that many keys) and the runtime keeps no rule but
+  that bound (runtime/ort_backend.py). FP8 engines keep the exactness rules (EXACT_RULES below): target calls of
+  two rows or more, a KV cache without holes, chain trees, one request at a time.
 
 The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
 quantize_draft rewrites the draft graphs alone (int8) and leaves the target float: the draft only proposes tokens
@@ -35,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
+from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROW_INDEPENDENT_KEYS
 from eaglex.models.target import causal_mask
 
@@ -268,11 +269,11 @@ def target_parity(float_dir: Path, quant_dir: Path, m: dict, seed: int = 0) -> d
              "logits_rows": np.arange(N, dtype=np.int64)}
         for i in range(L):
             f[f"past_key_{i}"], f[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
-        return f
+        return ort_feeds(f, N)
 
     empty = [np.zeros((1, kv, 0, D), dtype=dtype)] * (2 * L)
     first = feeds(ids[:, :24], empty, 0)
-    r1 = dict(zip(outs, ref.run(None, first)))
+    r1 = torch_outputs(dict(zip(outs, ref.run(None, first))))
     q1 = new.run(["logits"], first)[0]
     past = [r1[f"present_{kv_}_{i}"] for i in range(L) for kv_ in ("key", "value")]
     second = feeds(ids[:, 24:], past, 24)

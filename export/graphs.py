@@ -1,11 +1,16 @@
 """The graphs an engine holds, as torch modules with the exact ONNX interface, plus their example inputs.
 
 target:    input_ids [B,N] i64, position_ids [B,N] i64, attn_mask [B,1,N,P+N] bool, logits_rows [R] i64,
-           past_key_i / past_value_i [B,Hkv,P,D]
+           past_key_i / past_value_i [P+N,B,Hkv,D]
         -> logits [B,R,V] f32, features [B,N,F] (omitted for a vanilla engine), present_key_i / present_value_i
 draft:     hidden [B,N,H], input_ids, position_ids, attn_mask, logits_rows, top_k [] i64, past_key_0 / past_value_0
         -> hidden_out [B,N,H], top_logp [B,R,k] f32, top_ids [B,R,k] i64 (target ids), present_key_0 / present_value_0
 draft_fc:  features [B,N,3H] -> hidden [B,N,H]   (EAGLE-3 only)
+
+The KV tensors are rows-first buffers: past_* holds the P cached rows, then N slots that the graph fills with this
+call's new rows, and present_* is that buffer with them written (in place when bound to the past's memory). The
+torch modules here take and return the plain [B,Hkv,P,D] / [B,Hkv,P+N,D] tensors; export/row_attention.py turns
+the exported Concat + Attention into the buffers (export_graph runs it; `heads` says which heads to group).
 
 `logits_rows` picks the rows that get logits: a prefill needs one row, not a [N, V] product. LogSoftmax, TopK and
 the draft-to-target id map (d2t) run in the draft graph, so only k ids per row leave it.
@@ -50,6 +55,7 @@ class GraphSpec:
     output_names: list[str]
     dynamic_shapes: tuple
     attention_nodes: int          # Attention nodes the graph must contain (one per layer)
+    heads: tuple[int, int, int] | None = None    # (query heads, KV heads, head dim) of those Attention nodes
     vocab_size: int = 0           # token ids the graph reads (target vocabulary)
     top_k_max: int = 0            # draft graph: the largest top_k it accepts (draft vocabulary)
 
@@ -95,7 +101,8 @@ def target_graph(target: Target) -> GraphSpec:
     return GraphSpec("target", TargetGraph(target), (ids, pos, mask, rows) + past,
                      ["input_ids", "position_ids", "attn_mask", "logits_rows"] + past_names(s.num_layers),
                      outputs, (SEQ_AXES, SEQ_AXES, MASK_AXES, {0: ROWS}, (PAST_AXES,) * (2 * s.num_layers)),
-                     s.num_layers, s.vocab_size)   # *past takes one nested tuple (a flat one fails)
+                     s.num_layers, (s.num_heads, s.num_kv_heads, s.head_dim),
+                     s.vocab_size)   # *past takes one nested tuple (a flat one fails)
 
 
 class DraftGraph(nn.Module):
@@ -142,9 +149,10 @@ def draft_graphs(head: DraftHead) -> list[GraphSpec]:
                      ["hidden", "input_ids", "position_ids", "attn_mask", "logits_rows", "top_k"] + past_names(1),
                      ["hidden_out", "top_logp", "top_ids"] + past_names(1, "present"),
                      (SEQ_AXES, SEQ_AXES, SEQ_AXES, MASK_AXES, {0: ROWS}, None, PAST_AXES, PAST_AXES), 1,
-                     d.vocab_size, d.draft_vocab_size)
+                     (d.num_heads, d.num_kv_heads, d.head_dim), d.vocab_size, d.draft_vocab_size)
     if d.kind != "eagle3":
         return [step]
     feats = torch.randn(B, N, len(d.taps) * d.hidden_size, generator=g).to(dtype)
-    fc = GraphSpec("draft_fc", DraftFcGraph(head), (feats,), ["features"], ["hidden"], (SEQ_AXES,), 0, d.vocab_size)
+    fc = GraphSpec("draft_fc", DraftFcGraph(head), (feats,), ["features"], ["hidden"], (SEQ_AXES,), 0,
+                   vocab_size=d.vocab_size)
     return [fc, step]

@@ -1,9 +1,12 @@
-"""Export one graph (export/graphs.py) to ONNX with the dynamo exporter at opset 23, and check its structure.
+"""Export one graph (export/graphs.py) to ONNX with the dynamo exporter at opset 23, check its structure, and
+rewrite its attention for the engine.
 
-Why this path: at opset 23 the exporter lowers SDPA to the standard `Attention` op, which ORT's CPU EP runs 1.15-1.6x faster than the decomposed MatMul/Softmax graph; written with
-`enable_gqa=True` (models/target.py) it keeps native GQA, with no Expand-based repeat_kv in front of it. The
-exporter's default opset is 20, so it is set here. The structure check fails the export when a layer's attention
-did not become one `Attention` node or when repeat_kv crept back in.
+Why this path: at opset 23 the exporter lowers SDPA to the standard `Attention` op; written with `enable_gqa=True`
+(models/target.py) it keeps native GQA, with no Expand-based repeat_kv in front of it. The exporter's default
+opset is 20, so it is set here. The structure check fails the export when a layer's attention did not become one
+`Attention` node or when repeat_kv crept back in. Then each graph with attention is rewritten (structure only):
+its RoPE and skip + RMS norm fused (export/fuse.py), its KV concatenation turned into buffers written in place and
+its `Attention` into a row-independent decomposition that reads them without copies (export/row_attention.py).
 
 Memory. Linear weights are first transposed in place (export/layout.py) so that the optimizer finds no
 `Transpose(W)` to fold into a second copy; the ONNX program's initializers then wrap the torch parameters without
@@ -30,7 +33,9 @@ import torch
 
 from eaglex.base.errors import ModelError
 
+from .fuse import fuse_rotary, fuse_skip_rms_norm
 from .graphs import GraphSpec
+from .row_attention import rewrite_attention
 
 OPSET = 23
 # Weights above this go to external data. Protobuf caps a file at 2 GiB, but the limit is set far lower because
@@ -76,8 +81,28 @@ def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None
     del prog
     _forget_matched_graphs()
     files = [path] + ([path.with_name(path.name + ".data")] if external else [])
-    nodes = check_structure(path, spec.attention_nodes)
+    check_structure(path, spec.attention_nodes)
+    nodes = _rewrite_attention(path, spec.heads) if spec.heads else _ops(onnx.load(str(path), load_external_data=False))
     return ExportResult(spec.name, path, files, time.perf_counter() - t0, nodes)
+
+
+def _rewrite_attention(path: Path, heads: tuple[int, int, int]) -> Counter:
+    """The rewrites every engine graph with attention gets: RoPE and skip + RMS norm fused (export/fuse.py), KV
+    buffers written in place and row-independent attention (export/row_attention.py). They change the saved graph's
+    structure only: the weights (external data) are neither read nor rewritten. Returns the new graph's op counts."""
+    model = onnx.load(str(path), load_external_data=False)
+    fuse_rotary(model)
+    fuse_skip_rms_norm(model)
+    try:
+        rewrite_attention(model, *heads)
+    except ValueError as e:
+        raise ExportError(f"{path.name}: {e}") from None
+    onnx.save(model, str(path))
+    return _ops(model)
+
+
+def _ops(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
 
 
 # Axes the exporter leaves with generated names (s85, u0): readable names for people reading the graph's I/O.
@@ -96,9 +121,9 @@ def _name_dims(graph) -> None:
             value.shape = ir.Shape(dims)
 
 
-def check_structure(path: Path, attention_nodes: int) -> Counter:
-    """Op counts of the graph; raises ExportError unless it has `attention_nodes` Attention ops fed without
-    repeat_kv (an Expand on the key/value path)."""
+def check_structure(path: Path, attention_nodes: int) -> None:
+    """Raises ExportError unless the exported graph has `attention_nodes` Attention ops fed without repeat_kv (an
+    Expand on the key/value path)."""
     model = onnx.load(str(path), load_external_data=False)
     nodes = list(model.graph.node)
     ops = Counter(n.op_type for n in nodes)
@@ -116,7 +141,6 @@ def check_structure(path: Path, attention_nodes: int) -> Counter:
                     raise ExportError(f"{path.name}: {n.name} reads its keys/values through Expand (repeat_kv); "
                                       "the attention must use native GQA (enable_gqa=True)")
                 node = producer.get(node.input[0])
-    return ops
 
 
 def _forget_matched_graphs() -> None:

@@ -22,6 +22,7 @@ from eaglex.models.target import ConcatCache
 
 from .graphs import GraphSpec
 from .onnx_export import ExportError
+from .row_attention import from_buffer, to_buffer
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 # (past P, new rows N, batch B, logits for the last row only)
@@ -124,12 +125,23 @@ def _rel(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / (np.abs(ref).max() or 1.0))
 
 
+def ort_feeds(feeds: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    """Feeds with the torch modules' [B,Hkv,P,D] pasts as the engine graph's rows-first buffers for `n` new rows."""
+    return {k: to_buffer(v, n) if k.startswith("past_") else v for k, v in feeds.items()}
+
+
+def torch_outputs(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An engine graph's outputs with its present buffers as the torch modules' [B,Hkv,P+N,D]."""
+    return {k: from_buffer(v) if k.startswith("present_") else v for k, v in outputs.items()}
+
+
 def compare(name: str, session, cases: list[Case], dtype: str, progress=None) -> ParityReport:
     """Run the cases in an ORT session; raise ExportError above the tolerance of `dtype`."""
     report = ParityReport(name)
     names = [o.name for o in session.get_outputs()]
     for case in cases:
-        got = dict(zip(names, session.run(names, case.feeds)))
+        n = case.feeds["input_ids"].shape[1] if "input_ids" in case.feeds else 0
+        got = torch_outputs(dict(zip(names, session.run(names, ort_feeds(case.feeds, n)))))
         for out in names:
             if out == "top_ids":                       # the log-prob torch gives each id ORT chose
                 picked = np.take_along_axis(case.ref["logp_target"], got["top_ids"], -1)

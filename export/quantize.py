@@ -26,9 +26,10 @@ accuracy_level=4 (int8 activations, quantized per row and block inside the kerne
 weights on every call and runs 10x slower than float32). Its rows are independent of each other and of the row
 count, but int8 activations turn the float32 rounding noise of other kernels into visible logit changes: ONNX
 Runtime's fused Attention rounds a one-row call differently from a many-row one, and a key whose index in the
-buffer moved. `row_attention` therefore rewrites the target's Attention nodes (export/row_attention.py) so that
-every row of the graph is computed independently of the call; a graph without that rewrite needs the exactness
-rules of engines/quantize.py (two rows or more per call, no KV holes, chains, no batching).
+buffer moved. Engine graphs carry a row-independent attention since their export (export/row_attention.py);
+`row_attention` checks that the heads keep it row-independent (a graph with ONNX Runtime's fused Attention would
+need the exactness rules of engines/quantize.py: two rows or more per call, chains, no batching). MatMuls that read
+one input (q/k/v, gate/up) are fused first (export/fuse.py: bit-identical columns, fewer kernel calls).
 
 Both keep external data right: the input's `.onnx.data` is read with the graph, and the output goes to
 `<out>.data` when its weights exceed the threshold the exporter uses, else into the file itself. Graph metadata
@@ -48,8 +49,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from eaglex.base.errors import ModelError
 
+from .fuse import FUSED, fuse_sibling_matmuls
 from .onnx_export import EXTERNAL_DATA_ABOVE
-from .row_attention import rewrite_attention
+from .row_attention import check_row_independent
 
 FP8_MAX = 448.0                      # largest finite float8e4m3fn
 NBITS_BLOCK = 32
@@ -235,20 +237,32 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
                       accuracy_level: int = NBITS_ACCURACY_LEVEL) -> QuantReport:
     """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes a `bits`-bit (8 or 4)
     MatMulNBits (symmetric: no zero points); modules matching a regex in `exclude` stay float. `row_attention`
-    (query heads, KV heads, head dim): also rewrite the Attention nodes row-independently."""
+    (query heads, KV heads, head dim): check that the graph's attention is the row-independent one for them."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     before = _bytes(_files_of(onnx_path))
     model = _load(onnx_path)
-    candidates, skipped, exclude_nodes = [], [], []
+    if row_attention is not None:
+        try:
+            check_row_independent(*row_attention)
+        except ValueError as e:
+            raise ModelError(f"{onnx_path.name}: {e}") from None
+        if any(n.op_type == "Attention" for n in model.graph.node):
+            raise ModelError(f"{onnx_path.name} has ONNX Runtime's fused Attention, whose rows depend on the call: "
+                             "rebuild the float engine with this eaglex (`eaglex build --force`)")
+    apart = {w.name for _, w in _weight_matmuls(model.graph)
+             if w.dims[0] % block_size or any(re.search(p, module_name(w.name) or w.name) for p in exclude)}
+    fuse_sibling_matmuls(model, keep=apart)
+    candidates, skipped, exclude_nodes, nodes = [], [], [], 0
     for node, w in _weight_matmuls(model.graph):
-        mod = module_name(w.name) or w.name
-        if w.dims[0] % block_size or any(re.search(p, mod) for p in exclude):
-            skipped.append(mod)
+        mods = [module_name(part) or part for part in w.name.split(FUSED)]
+        if w.name in apart:
+            skipped += mods
             exclude_nodes.append(node.name)
         else:
-            candidates.append(mod)
+            candidates += mods
+            nodes += 1
     if not candidates:
         raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
     metadata = [(p.key, p.value) for p in model.metadata_props]
@@ -261,13 +275,8 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
     for k, v in metadata:
         out.metadata_props.add(key=k, value=v)
     quantized = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
-    if len(quantized) != len(candidates):
-        raise ModelError(f"{onnx_path.name}: MatMulNBits replaced {len(quantized)} of {len(candidates)} MatMuls")
-    if row_attention is not None:
-        try:
-            rewrite_attention(out, *row_attention)
-        except ValueError as e:
-            raise ModelError(f"{onnx_path.name}: {e}") from None
+    if len(quantized) != nodes:
+        raise ModelError(f"{onnx_path.name}: MatMulNBits replaced {len(quantized)} of {nodes} MatMuls")
     files = _save(out, out_path)
     return QuantReport(f"int{bits}", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
 

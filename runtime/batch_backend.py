@@ -11,14 +11,13 @@ cover the uncommitted rows of each row ([B, N, pending + N] bool, None = causal)
 row of a masked forward has the same pending count (a tree's earlier draft levels, or none when verifying), and its
 own mask over them (each request's own tree).
 
-Numerics (fp32, measured on the embedded default model): a row's logits inside a batched forward are not bit-identical
-to the same row decoded alone, on either backend. PyTorch CPU GEMMs pick kernels by the number of rows M (M = 1,
-2-6 and >= 7 give three different roundings of the same row); ONNX Runtime's MLAS GEMMs are row-invariant (a row
-whose KV length equals the batch's is bit-identical alone and batched), but its attention rounds differently
-when masked padding columns lengthen the row. The differences are ~1e-5 on logits of magnitude ~10, the same
+Numerics (fp32, measured on the embedded default model): on PyTorch a row's logits inside a batched forward are not
+bit-identical to the same row decoded alone: CPU GEMMs pick kernels by the number of rows M (M = 1, 2-6 and >= 7
+give three different roundings of the same row). The differences are ~1e-5 on logits of magnitude ~10, the same
 order as between a speculative tree verification and a one-token decode of the same request, which the
-single-request path already accepts: greedy output is equal unless two logits tie within that. tests/test_batch.py
-measures both and checks the outputs.
+single-request path already accepts: greedy output is equal unless two logits tie within that. ONNX Runtime
+engines give bit-identical rows: MLAS GEMMs are row-invariant and their attention is row-independent, masked
+padding columns included (export/row_attention.py). tests/test_batch.py measures both and checks the outputs.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from eaglex.models.target import TargetSpec
 from .types import TreeConfig
 
 FORMAT = "eaglex-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: ONNX graphs take rows-first KV buffers written in place (export/row_attention.py)
 MANIFEST = "manifest.json"
 HASH_LIMIT = 2 * 1024 ** 3      # files up to this size are hashed on load; bigger ones are checked by size + id
 

@@ -1,22 +1,22 @@
 """ONNX Runtime backend: runs an engine folder written by `eaglex build` behind the Backend protocol.
 
 Same contract as TorchBackend (runtime/backend.py): forwards append pending rows, the loop commits or rolls back,
-masks cover the uncommitted rows. Inputs are wrapped as OrtValues without copies, outputs are ORT-allocated through
-IOBinding, and the KV cache never leaves ORT (runtime/ort_cache.py). EAGLE-3's first draft step runs draft_fc and
-binds its output straight into the draft graph.
+masks cover the uncommitted rows. Inputs are wrapped as OrtValues without copies, logits and features are
+ORT-allocated through IOBinding, and the graphs write their new KV rows in place into the cache's preallocated
+buffers (runtime/ort_cache.py). EAGLE-3's first draft step runs draft_fc and binds its output straight into the
+draft graph.
 
-On a GPU provider (`providers`, see ort_session.choose_providers) the KV values and draft_fc's output are bound to
+On a GPU provider (`providers`, see ort_session.choose_providers) the KV buffers and draft_fc's output live in
 device memory and stay there; logits, features and the draft's top-k come back to the host, where the loop reads
 them (the tensors this backend returns are always on the CPU: `device`).
 
 An engine may carry `exactness` rules in its manifest (quantized engines: engines/quantize.py). Int8/int4 engines
-compute every row independently of the call up to `row_independent_keys` keys per call (`exact_keys`): the target
-cache then keeps holes only while a call sees at most that many keys and compacts before it would see more (so a
-longer context still sits where vanilla decoding puts it), and the generators keep trees other than chains and
-batches within that bound. FP8 engines carry the older rules: `min_rows` pads every target call to that many rows
-(extra rows repeat the last token one position further and are never committed), `kv_holes: false` compacts the
-target cache instead of leaving rejected rows as holes, `trees` names the only tree kind whose output stays exact
-(`exact_trees`, checked by the generator), `batching: false` keeps requests apart.
+compute every row independently of the call up to `row_independent_keys` keys per call (`exact_keys`); the cache
+keeps every committed row at its position, as vanilla decoding does, and the generators keep trees other than
+chains and batches within that bound. FP8 engines carry the older rules: `min_rows` pads every target call to that
+many rows (extra rows repeat the last token one position further and are never committed), `trees` names the only
+tree kind whose output stays exact (`exact_trees`, checked by the generator), `batching: false` keeps requests
+apart (their `kv_holes: false` holds by construction: the cache never keeps rejected rows).
 
 Loading validates the engine: manifest format version, every file's size (and sha256 up to 2 GiB), each graph's
 engine id, and that the graphs' shapes fit the manifest and each other. Any failure is one ModelError line.
@@ -38,12 +38,23 @@ from .ort_cache import NP_DTYPES, OrtKVCache
 from .ort_session import open_session, provider_device
 
 
+def kv_names(layers: int) -> list[str]:
+    """The KV tensors of `layers` layers, as the graphs' past_<name> / present_<name> call them."""
+    return [f"{kv}_{i}" for i in range(layers) for kv in ("key", "value")]
+
+
 def _ov(a: np.ndarray) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
 
 
-def _torch(v: ort.OrtValue) -> torch.Tensor:
+def _torch(v) -> torch.Tensor:
     return torch.from_numpy(v.numpy())              # zero copy; the array keeps the OrtValue alive
+
+
+def outputs(io: ort.IOBinding):
+    """The bound outputs of the last run, as ORT's own values: the Python wrapper's get_outputs wraps every one,
+    the KV buffers' too (~50 us a step for a 30-layer target), where the callers read the first few."""
+    return io._iobinding.get_outputs()
 
 
 def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
@@ -98,13 +109,12 @@ class OrtBackend(CachedBackend):
         self.exact_trees = rules.get("trees")            # None: any tree; "chain": chains only
         self.batch_exact = bool(rules.get("batching", True))
         self.exact_keys = rules.get("row_independent_keys")  # None: no bound (float engines, FP8's rules)
-        self.tcache = OrtKVCache(2 * s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.providers,
-                                 holes=bool(rules.get("kv_holes", True)), holes_within=self.exact_keys)
+        self.tcache = OrtKVCache(kv_names(s.num_layers), s.num_kv_heads, s.head_dim, self.dtype, self.providers)
         self.dcache = None
         if draft:
             d = draft["spec"]
-            self.dcache = OrtKVCache(2, d["num_kv_heads"], d["head_dim"], self.dtype, self.providers)
-        self._target_out = [o.name for o in self.target_sess.get_outputs()]
+            self.dcache = OrtKVCache(kv_names(1), d["num_kv_heads"], d["head_dim"], self.dtype, self.providers)
+        self._target_out = [o.name for o in self.target_sess.get_outputs() if not o.name.startswith("present_")]
 
     def _check_graphs(self) -> None:
         """The graphs' fixed dims against the manifest, so a mismatched draft fails here, not mid-generation."""
@@ -118,7 +128,7 @@ class OrtBackend(CachedBackend):
         if dims(self.target_sess, "logits", True)[-1] != s.vocab_size:
             problems.append(f"target logits width {dims(self.target_sess, 'logits', True)[-1]} != vocab "
                             f"{s.vocab_size}")
-        if dims(self.target_sess, "past_key_0")[1] != s.num_kv_heads:
+        if dims(self.target_sess, "past_key_0")[2] != s.num_kv_heads:            # [P+N, B, Hkv, D]
             problems.append("target KV heads differ from the manifest")
         if self.draft_sess is not None:
             d = m["draft"]["spec"]
@@ -139,9 +149,8 @@ class OrtBackend(CachedBackend):
     # ------------------------------------------------------------------------------------------ Backend protocol
 
     def _common(self, io, cache: OrtKVCache, input_ids, position_ids, mask, rows, keep: list):
-        """Binds ids, positions, the full mask, logits rows and the past; `keep` holds the numpy buffers alive."""
+        """Binds ids, positions, the full mask and logits rows; `keep` holds the numpy buffers alive."""
         B, N = input_ids.shape
-        cache.reserve(N)
         attn = cache.attention_mask(mask, B, N)                                    # [B,1,N,T] bool
         rows = np.asarray(rows, dtype=np.int64)
         feeds = {"input_ids": input_ids.numpy().astype(np.int64, copy=False),
@@ -151,8 +160,6 @@ class OrtBackend(CachedBackend):
             v = _ov(a)
             keep.append(v)
             io.bind_ortvalue_input(name, v)
-        for i, v in enumerate(cache.current):
-            io.bind_ortvalue_input(f"past_{'key' if i % 2 == 0 else 'value'}_{i // 2}", v)
         return N
 
     def target_forward(self, rows, input_ids, position_ids, mask=None, last_only=False):
@@ -163,16 +170,14 @@ class OrtBackend(CachedBackend):
                                                       self.min_rows - n)
         io, keep = self.target_sess.io_binding(), []
         N = self._common(io, self.tcache, input_ids, position_ids, mask, [n - 1] if last_only else range(n), keep)
-        for name in self._target_out:
-            io.bind_output(name, *(self.kv_device if name.startswith("present_") else ("cpu", 0)))
+        for name in self._target_out:                 # logits (+ features): bound first, so they come out first
+            io.bind_output(name)
+        self.tcache.bind(io, N)
         self.target_sess.run_with_iobinding(io)
-        out = list(io.get_outputs())
+        self.tcache.appended(N)
+        out = outputs(io)
         logits = _torch(out[0])
-        if self.features:
-            feats, presents = _torch(out[1])[:, :n], out[2:]
-        else:
-            feats, presents = torch.empty(input_ids.shape[0], n, 0), out[1:]
-        self.tcache.appended(presents, N)
+        feats = _torch(out[1])[:, :n] if self.features else torch.empty(input_ids.shape[0], n, 0)
         return logits, feats
 
     def draft_forward(self, rows, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
@@ -195,9 +200,10 @@ class OrtBackend(CachedBackend):
         k = _ov(np.array(top_k, dtype=np.int64))
         keep.append(k)
         io.bind_ortvalue_input("top_k", k)
-        for name in ("hidden_out", "top_logp", "top_ids", "present_key_0", "present_value_0"):
-            io.bind_output(name, *(self.kv_device if name.startswith("present_") else ("cpu", 0)))
+        for name in ("hidden_out", "top_logp", "top_ids"):
+            io.bind_output(name)
+        self.dcache.bind(io, N)
         self.draft_sess.run_with_iobinding(io)
-        h, logp, ids, pk, pv = io.get_outputs()
-        self.dcache.appended([pk, pv], N)
-        return _torch(h), _torch(logp), _torch(ids)
+        self.dcache.appended(N)
+        out = outputs(io)
+        return _torch(out[0]), _torch(out[1]), _torch(out[2])

@@ -1,11 +1,11 @@
 """Batched execution of an ONNX Runtime engine for the in-flight batcher: the engine's own graphs (batch is their
 leading axis, masks are per row), with per-slot KV buffers as in batch_backend.SlotCache.
 
-The graphs append a forward's N new rows after the past they are given ([B,Hkv,P,D], P = the longest row's
-committed + pending rows), so row r attends over its own valid columns [0, length[r] + pending[r]) of the past and
-the N new columns at P; after the run the new rows are copied from present_* into each row's own columns, where a
-request decoded alone would keep them. Costs one copy of the active past per forward (the graph's Concat copies it
-once more); a per-row-append graph would avoid it.
+The graphs take each KV tensor as a rows-first buffer [P+N, B, Hkv, D] (export/row_attention.py), P = the longest
+row's committed + pending rows: row r attends over its own valid columns [0, length[r] + pending[r]) of the past
+and the N new rows the graph writes at P. Each forward gathers the active past into such a buffer (one copy of it),
+binds it as both the graph's input and output so that the new rows are written into it in place, then copies the
+new rows into each row's own columns of the slots, where a request decoded alone would keep them.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ class OrtBatchBackend(SlotBackend):
         d = backend.manifest["draft"]["spec"] if backend.draft_sess is not None else None
         self._allocate(backend, slots, extra_rows, (d["num_kv_heads"], d["head_dim"]) if d is not None else None)
 
-    def _feeds(self, cache: SlotCache, rows: slice, input_ids, position_ids, mask, last_only) -> tuple[dict, int]:
+    def _bind(self, io, cache: SlotCache, rows: slice, input_ids, position_ids, mask, last_only) -> tuple[list, int]:
+        """Binds ids, positions, masks, logits rows and the KV buffers; -> (the buffers [P+N,B,Hkv,D] per KV tensor
+        and what else must outlive the run, P)."""
         B, N = input_ids.shape
         own = torch.tensor([cache.length[s] + cache.pending[s] for s in range(rows.start, rows.stop)])
         length = torch.tensor(cache.length[rows])
@@ -42,28 +44,38 @@ class OrtBatchBackend(SlotBackend):
             attn[:, 0, :, P:] = mask[:, :, pend:].numpy()
         feeds = {"input_ids": input_ids.numpy().astype(np.int64), "position_ids": position_ids.numpy().astype(np.int64),
                  "attn_mask": attn, "logits_rows": np.array([N - 1] if last_only else range(N), dtype=np.int64)}
+        for name, a in feeds.items():
+            io.bind_cpu_input(name, a)
+        buffers = []
         for layer in range(cache.layers):
-            feeds[f"past_key_{layer}"] = np.ascontiguousarray(cache.k[layer, rows, :, :P].numpy())
-            feeds[f"past_value_{layer}"] = np.ascontiguousarray(cache.v[layer, rows, :, :P].numpy())
-        return feeds, P
+            for kind, kv in (("key", cache.k), ("value", cache.v)):     # kv [layers, slots, Hkv, capacity, D]
+                buf = torch.empty((P + N, B, kv.shape[2], kv.shape[4]), dtype=kv.dtype)
+                buf[:P] = kv[layer, rows, :, :P].permute(2, 0, 1, 3)
+                a = buf.numpy()
+                io.bind_input(f"past_{kind}_{layer}", "cpu", 0, a.dtype, a.shape, a.ctypes.data)
+                io.bind_output(f"present_{kind}_{layer}", "cpu", 0, a.dtype, a.shape, a.ctypes.data)
+                buffers.append(buf)
+        return buffers + list(feeds.values()), P
 
     @staticmethod
-    def _store(cache: SlotCache, rows: slice, presents: list[np.ndarray], P: int, N: int) -> None:
-        """Copy the N new rows (columns P.. of present_*) to each row's own columns."""
+    def _store(cache: SlotCache, rows: slice, buffers: list[torch.Tensor], P: int, N: int) -> None:
+        """Copy the N new rows (rows P.. of each buffer) to each row's own columns."""
         cache.begin(rows, N)
         for layer in range(cache.layers):
-            cache.update(layer, torch.from_numpy(presents[2 * layer][:, :, P:]),
-                         torch.from_numpy(presents[2 * layer + 1][:, :, P:]))
+            k, v = (buffers[2 * layer + i][P:].permute(1, 2, 0, 3) for i in (0, 1))      # [B,Hkv,N,D]
+            cache.update(layer, k, v)
 
     def target_forward(self, rows: slice, input_ids, position_ids, mask=None, last_only=False):
-        sess, N = self.ort.target_sess, input_ids.shape[1]
-        feeds, P = self._feeds(self.tcache, rows, input_ids, position_ids, mask, last_only)
-        out = sess.run(self.ort._target_out, feeds)
-        if self.ort.features:
-            logits, feats, presents = out[0], out[1], out[2:]
-        else:
-            logits, feats, presents = out[0], np.zeros((input_ids.shape[0], N, 0), np.float32), out[1:]
-        self._store(self.tcache, rows, presents, P, N)
+        o, N = self.ort, input_ids.shape[1]
+        io = o.target_sess.io_binding()
+        for name in o._target_out:                   # logits (+ features), bound first so they come out first
+            io.bind_output(name)
+        keep, P = self._bind(io, self.tcache, rows, input_ids, position_ids, mask, last_only)
+        o.target_sess.run_with_iobinding(io)
+        out = io.get_outputs()
+        logits = out[0].numpy()
+        feats = out[1].numpy() if o.features else np.zeros((input_ids.shape[0], N, 0), np.float32)
+        self._store(self.tcache, rows, keep, P, N)
         return torch.from_numpy(logits), torch.from_numpy(feats)
 
     def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int,
@@ -72,9 +84,15 @@ class OrtBatchBackend(SlotBackend):
         h = hidden.detach().numpy().astype(o.np_dtype, copy=False)
         if project and o.fc_sess is not None:
             h = o.fc_sess.run(["hidden"], {"features": np.ascontiguousarray(h)})[0]
-        feeds, P = self._feeds(self.dcache, rows, input_ids, position_ids, mask, last_only)
-        feeds["hidden"], feeds["top_k"] = np.ascontiguousarray(h), np.array(top_k, dtype=np.int64)
-        h_out, logp, ids, pk, pv = o.draft_sess.run(
-            ["hidden_out", "top_logp", "top_ids", "present_key_0", "present_value_0"], feeds)
-        self._store(self.dcache, rows, [pk, pv], P, N)
+        io = o.draft_sess.io_binding()
+        for name in ("hidden_out", "top_logp", "top_ids"):
+            io.bind_output(name)
+        keep, P = self._bind(io, self.dcache, rows, input_ids, position_ids, mask, last_only)
+        h = np.ascontiguousarray(h)
+        io.bind_cpu_input("hidden", h)
+        top = np.array(top_k, dtype=np.int64)
+        io.bind_cpu_input("top_k", top)
+        o.draft_sess.run_with_iobinding(io)
+        h_out, logp, ids = (v.numpy() for v in io.get_outputs()[:3])
+        self._store(self.dcache, rows, keep, P, N)
         return torch.from_numpy(h_out), torch.from_numpy(logp), torch.from_numpy(ids)

@@ -1,16 +1,20 @@
-"""KV cache for ONNX Runtime engines: OrtValues that the graphs grow by concatenation, compacted lazily.
+"""KV cache for ONNX Runtime engines: one preallocated rows-first buffer per KV tensor, written in place by the graphs.
 
-A forward takes past_* (committed + pending rows) and returns present_* with its N rows appended; those OrtValues
-become the next past without leaving ORT (concat growth + IOBinding measured fastest for tree
-verification on CPU). The committed values are kept aside, so:
-- rollback() is free: the committed values simply become current again;
-- commit(keep) of all pending rows in order (a prefill, a vanilla step, a draft extend) is free as well;
-- any other commit (the accepted tree path) is free too, up to a point: the rejected rows stay where they are as
-  *holes*, which `valid` marks and `attention_mask` hides from every later query. Positions are explicit
-  (position_ids), so a hole shifts nothing. Once the holes outnumber max(HOLES_MIN, length / HOLES_SHARE) rows,
-  the commit gathers the valid rows in a tiny ORT graph (one Gather per tensor, no numpy round trip) instead.
-  Measured on the 0.5B bench target (32 KV tensors, ~300 rows): a gather costs 1.5-3 ms, about 2-4% of a cycle,
-  while a hole costs each later forward one more masked row (~5 us of concat copy).
+An engine graph takes each KV tensor as a buffer [P+N, B, Hkv, D] whose last N rows are slots for the call's new
+rows, and returns it with them written (export/row_attention.py). This cache keeps one buffer per tensor with room
+for `capacity` rows and binds its first P+N rows as both that input and that output (rows-first, they are one
+contiguous block): the graph writes its new rows in place, and a forward copies nothing else, however long the
+context (with concatenation growth every layer's whole past was copied on every step).
+
+Rows: the committed rows 0..length-1 in context order (a row's index is its position, as in vanilla decoding),
+then the `pending` rows forwards appended since the last commit or rollback.
+- rollback() forgets the pending rows (the next forward overwrites them);
+- commit(keep) of all pending rows in order (a prefill, a vanilla step, a draft extend) moves nothing;
+- any other commit (the accepted path of a tree) moves the kept rows down into place with a tiny ORT graph
+  (Gather them, ScatterND them at `length`, bound in place): a few rows per tensor.
+Buffers live on the engine's first provider's device. On the CPU they are numpy allocations, whose pages the
+system commits only as rows get written, so a large capacity costs address space, not memory; a reset reallocates
+them only when it asks for more capacity than they have.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
+from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
 from eaglex.models.target import causal_mask
 
@@ -28,15 +33,21 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 _ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
-def gather_session(count: int, dtype: str, providers: list | None = None) -> ort.InferenceSession:
-    """out_i = Gather(kv_i, index, axis=2) for `count` tensors [B,Hkv,T,D] -> [B,Hkv,K,D]."""
+def move_session(names: list[str], dtype: str, providers: list | None = None) -> ort.InferenceSession:
+    """out_<name> = ScatterND(kv_<name>, dst [K,1], Gather(kv_<name>, src [K], axis 0)) for buffers [R,B,Hkv,D]:
+    rows src copied to rows dst (Gather copies first, so the two may overlap); in place when out_<name> is bound to
+    kv_<name>'s memory."""
     t = _ONNX_DTYPES[dtype]
-    shape = ["batch", "heads", "rows", "dim"]
-    inputs = [helper.make_tensor_value_info(f"kv_{i}", t, shape) for i in range(count)]
-    inputs.append(helper.make_tensor_value_info("index", TensorProto.INT64, ["keep"]))
-    outputs = [helper.make_tensor_value_info(f"out_{i}", t, ["batch", "heads", "keep", "dim"]) for i in range(count)]
-    nodes = [helper.make_node("Gather", [f"kv_{i}", "index"], [f"out_{i}"], axis=2) for i in range(count)]
-    graph = helper.make_graph(nodes, "kv_gather", inputs, outputs)
+    shape = ["rows", "batch", "heads", "dim"]
+    inputs = [helper.make_tensor_value_info(f"kv_{n}", t, shape) for n in names]
+    inputs += [helper.make_tensor_value_info("src", TensorProto.INT64, ["keep"]),
+               helper.make_tensor_value_info("dst", TensorProto.INT64, ["keep", 1])]
+    outputs = [helper.make_tensor_value_info(f"out_{n}", t, shape) for n in names]
+    nodes = []
+    for n in names:
+        nodes.append(helper.make_node("Gather", [f"kv_{n}", "src"], [f"rows_{n}"], axis=0))
+        nodes.append(helper.make_node("ScatterND", [f"kv_{n}", "dst", f"rows_{n}"], [f"out_{n}"]))
+    graph = helper.make_graph(nodes, "kv_move", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     model.ir_version = 10
     onnx.checker.check_model(model)
@@ -44,56 +55,56 @@ def gather_session(count: int, dtype: str, providers: list | None = None) -> ort
                                 providers=providers or ["CPUExecutionProvider"])
 
 
-HOLES_MIN = 64        # compact when the holes exceed max(HOLES_MIN, valid rows / HOLES_SHARE)
-HOLES_SHARE = 4
-
-
 class OrtKVCache:
-    def __init__(self, count: int, num_kv_heads: int, head_dim: int, dtype: str, providers: list | None = None,
-                 holes: bool = True, holes_within: int | None = None):
-        """`providers`: the engine's (runtime/ort_session.choose_providers); on a GPU provider the values live in
-        device memory (the graphs' present_* outputs and the gathers are bound there) and never cross to the host.
-        `holes=False`: every commit that is not all pending rows in order compacts, so a row's index in the cache
-        is its position (FP8 engines need it for exactness: runtime/ort_backend.py). `holes_within`: holes are kept
-        only while a forward sees at most that many rows; a forward that would see more first compacts, so every
-        row beyond sits at its position's index, as in vanilla decoding (row-independent engines' bound)."""
-        self.count, self.heads, self.dim, self.dtype = count, num_kv_heads, head_dim, dtype
-        self.allow_holes = holes
-        self.holes_within = holes_within
+    def __init__(self, names: list[str], num_kv_heads: int, head_dim: int, dtype: str, providers: list | None = None):
+        """`names`: the KV tensors, as the graph's inputs past_<name> and outputs present_<name> call them (e.g.
+        key_0, value_0, ...); `providers`: the engine's (runtime/ort_session.choose_providers)."""
+        self.names, self.heads, self.dim, self.dtype = list(names), num_kv_heads, head_dim, dtype
         self.device = provider_device(providers)
-        self.gather = gather_session(count, dtype, providers)
+        self.element = NP_DTYPES[dtype]
+        # Binds go through the C++ binding under ORT's Python IOBinding, with a device object made once: the
+        # wrapper makes an OrtDevice and books the name on every call (~2.3 us a bind against ~0.8, measured), and a
+        # forward binds every KV tensor twice (~0.2 ms of a one-token step of a 30-layer target).
+        self._c_device = OrtDevice.make(*self.device)._get_c_device()
+        self.mover = move_session(self.names, dtype, providers)
+        self.buffers: list = []
+        self.pointers: list[int] = []
         self.capacity = 0
         self.reset(0)
 
     def reset(self, capacity: int) -> None:
-        empty = np.zeros((1, self.heads, 0, self.dim), NP_DTYPES[self.dtype])      # batch 1, no rows yet
-        self.committed = [ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(self.count)]
-        self.current = self.committed
-        self.length = self.pending = 0      # valid committed rows; rows appended since the last commit/rollback
-        self.valid = np.zeros(0, dtype=bool)  # [rows] committed rows as stored: False = hole
-        self.capacity = capacity
+        if capacity > self.capacity:        # grow only: the buffers are reused by every later generation
+            shape = (capacity, 1, self.heads, self.dim)       # batch 1
+            if self.device[0] == "cpu":
+                self.buffers = [np.empty(shape, self.element) for _ in self.names]
+                self.pointers = [b.ctypes.data for b in self.buffers]
+            else:
+                self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.element, *self.device)
+                                for _ in self.names]
+                self.pointers = [b.data_ptr() for b in self.buffers]
+            self.capacity = capacity
+        self.length = self.pending = 0      # committed rows; rows appended since the last commit / rollback
 
-    @property
-    def rows(self) -> int:
-        """Committed rows as stored, holes included (the past length the graphs see)."""
-        return int(self.valid.shape[0])
+    def _bind(self, io: ort.IOBinding, rows: int, inputs: str, outputs: str) -> None:
+        """Bind each buffer's first `rows` rows as input `inputs`+name and output `outputs`+name."""
+        shape, kind, c = [rows, 1, self.heads, self.dim], _ONNX_DTYPES[self.dtype], io._iobinding
+        for name, ptr in zip(self.names, self.pointers):
+            c.bind_input(inputs + name, self._c_device, kind, shape, ptr)
+            c.bind_output(outputs + name, self._c_device, kind, shape, ptr)
 
-    def reserve(self, n: int) -> None:
-        """Called before a forward appends n rows."""
+    def bind(self, io: ort.IOBinding, n: int) -> None:
+        """Bind the buffers for a forward that appends n rows after the pending ones (KV overflow: RuntimeError)."""
         end = self.length + self.pending + n
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
-        if (self.holes_within is not None and self.rows + self.pending + n > self.holes_within
-                and self.pending == 0 and self.rows > self.length):
-            self._compact(np.flatnonzero(self.valid))
-            self.current = self.committed
+        self._bind(io, end, "past_", "present_")
 
     def attention_mask(self, mask, batch: int, n: int) -> np.ndarray:
-        """[B,1,N,rows+pending+N] bool for a forward of n rows: the valid committed rows, then `mask` over the
+        """[B,1,N,length+pending+N] bool for a forward of n rows: every committed row, then `mask` over the
         uncommitted rows ([B,N,pending+N] bool tensor/array, None = causal over the new rows, pending all seen)."""
-        rows, p = self.rows, self.pending
+        rows, p = self.length, self.pending
         out = np.empty((batch, 1, n, rows + p + n), dtype=bool)
-        out[:, 0, :, :rows] = self.valid
+        out[:, 0, :, :rows] = True
         if mask is None:
             out[:, 0, :, rows:rows + p] = True
             out[:, 0, :, rows + p:] = causal_mask(n)[0, 0].numpy()
@@ -101,44 +112,21 @@ class OrtKVCache:
             out[:, 0, :, rows:] = mask.numpy() if hasattr(mask, "numpy") else mask
         return out
 
-    def appended(self, presents: list, n: int) -> None:
-        self.current = presents
+    def appended(self, n: int) -> None:
         self.pending += n
 
     def commit(self, keep: torch.Tensor) -> None:
         """keep [K] int64: indices into the pending rows, in order; they become committed rows."""
         keep_np = keep.numpy() if isinstance(keep, torch.Tensor) else np.asarray(keep)
-        n, p = int(keep_np.shape[0]), self.pending
-        if n == 0:
-            self.current = self.committed                  # nothing kept: the pending rows are dropped
-        elif n == p and (keep_np == np.arange(n)).all():
-            self.committed = self.current                  # already in place
-            self.valid = np.concatenate([self.valid, np.ones(n, dtype=bool)])
-        else:
-            new = np.zeros(p, dtype=bool)
-            new[keep_np] = True
-            valid = np.concatenate([self.valid, new])
-            holes = valid.shape[0] - (self.length + n)
-            if self.allow_holes and holes <= max(HOLES_MIN, (self.length + n) // HOLES_SHARE):
-                self.committed, self.valid = self.current, valid      # rejected rows stay as masked holes
-            else:
-                self._compact(np.flatnonzero(valid))
-        self.current = self.committed
+        n = int(keep_np.shape[0])
+        if n and not (keep_np == np.arange(n)).all():         # else already in place
+            io = self.mover.io_binding()
+            self._bind(io, self.length + self.pending, "kv_", "out_")
+            io.bind_cpu_input("src", (keep_np + self.length).astype(np.int64))
+            io.bind_cpu_input("dst", np.arange(self.length, self.length + n, dtype=np.int64)[:, None])
+            self.mover.run_with_iobinding(io)
         self.length += n
         self.pending = 0
 
-    def _compact(self, index: np.ndarray) -> None:
-        """Gather the rows `index` (of committed + pending as stored) into new committed values without holes."""
-        io = self.gather.io_binding()
-        for i, v in enumerate(self.current):
-            io.bind_ortvalue_input(f"kv_{i}", v)
-        io.bind_cpu_input("index", index.astype(np.int64))
-        for i in range(self.count):
-            io.bind_output(f"out_{i}", *self.device)
-        self.gather.run_with_iobinding(io)
-        self.committed = list(io.get_outputs())
-        self.valid = np.ones(index.shape[0], dtype=bool)
-
     def rollback(self) -> None:
-        self.current = self.committed
         self.pending = 0

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -19,7 +20,7 @@ from eaglex.engines.build import build_engine
 from eaglex.runtime import cost as cost_mod
 from eaglex.runtime.backend import ONE
 from eaglex.runtime.cost import CostCurve, cost_curve
-from eaglex.runtime.manifest import MANIFEST, read_manifest, write_manifest
+from eaglex.runtime.manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_manifest
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.ort_backend import OrtBackend
 from eaglex.runtime.torch_backend import TorchBackend
@@ -46,19 +47,32 @@ def engines(models, tmp_path_factory):
 def test_export_parity_and_structure(name, engines):
     m = read_manifest(engines[name])
     layers = m["target"]["spec"]["num_layers"]
-    assert m["graphs"]["target"]["ops"]["Attention"] == layers
-    assert m["graphs"]["draft"]["ops"]["Attention"] == 1
+    for graph, n in (("target", layers), ("draft", 1)):
+        ops = m["graphs"][graph]["ops"]
+        assert "Attention" not in ops and ops["FusedMatMul"] == 3 * n and ops["ScatterND"] == 2 * n
+        assert ops["RotaryEmbedding"] == 2 * n
+    assert m["graphs"]["target"]["ops"]["SkipSimplifiedLayerNormalization"] == 2 * layers
     assert {"LogSoftmax", "TopK"} <= set(m["graphs"]["draft"]["ops"])
     assert ("draft_fc" in m["graphs"]) == (m["draft"]["kind"] == "eagle3")
     for graph, report in m["parity"].items():
         assert report["cases"] >= 1 and report["worst"] < 1e-4, (graph, report)
-    # Each Attention reads its keys/values straight from Concat(past, new): native GQA, no repeat_kv.
-    g = onnx.load(str(engines[name] / "target.onnx")).graph
-    producer = {o: n for n in g.node for o in n.output}
-    inputs = {i.name for i in g.input}
-    for node in (n for n in g.node if n.op_type == "Attention"):
-        for kv in node.input[1:3]:
-            assert producer[kv].op_type == "Concat" and producer[kv].input[0] in inputs
+    # Each present_* is its past_* buffer with the new rows scattered in (in place when bound to it), nothing else
+    # reads a past, and the attention reads the keys/values from that buffer as they lie (transBatchB): no copy of
+    # the cache, no repeat_kv.
+    for graph in ("target", "draft"):
+        g = onnx.load(str(engines[name] / f"{graph}.onnx")).graph
+        producer = {o: n for n in g.node for o in n.output}
+        pasts = [i.name for i in g.input if i.name.startswith("past_")]
+        assert len(pasts) == 2 * (layers if graph == "target" else 1)
+        for past in pasts:
+            present = "present_" + past[len("past_"):]
+            assert producer[present].op_type == "ScatterND" and producer[present].input[0] == past
+            assert {n.op_type for n in g.node if past in n.input} <= {"ScatterND", "Shape"}
+            readers = [n for n in g.node if present in n.input and n.op_type != "Reshape"]
+            readers += [n for r in g.node if r.op_type == "Reshape" and r.input[0] == present
+                        for n in g.node if r.output[0] in n.input]
+            assert readers and all(n.op_type == "FusedMatMul" and
+                                   {a.name: a.i for a in n.attribute}.get("transBatchB") == 1 for n in readers)
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -128,58 +142,49 @@ def test_draft_steps_match_torch(engines, models):
         b.draft_rollback(ONE)
 
 
-@pytest.mark.parametrize("policy", ["holes", "compact"])
-def test_kv_holes_and_compaction_are_lossless(policy, engines, prompts, monkeypatch):
-    """Rejected tree rows left in the target cache as masked holes give the same tokens as gathering the accepted
-    rows at once; both paths are taken (a chain leaves 0-2 holes per cycle, a 60-node tree dozens)."""
-    from eaglex.runtime import ort_cache
-
-    never, always = (10 ** 9, 1), (0, 10 ** 9)
-    monkeypatch.setattr(ort_cache, "HOLES_MIN", (never if policy == "holes" else always)[0])
-    monkeypatch.setattr(ort_cache, "HOLES_SHARE", (never if policy == "holes" else always)[1])
+def test_tree_commits_move_rows_losslessly(engines, prompts, monkeypatch):
+    """Accepted tree paths are moved into place in the KV buffers (chains and wide trees both take that path) and
+    the output stays the vanilla output."""
     b = OrtBackend(engines["llama-eagle3"])
-    seen = {"holes": 0, "gathers": 0}
-    commit, compact = b.tcache.commit, b.tcache._compact
+    moves = {"rows": 0}
+    commit = b.tcache.commit
 
     def spy_commit(keep):
+        if keep.shape[0] and not torch.equal(keep, torch.arange(keep.shape[0])):
+            moves["rows"] += int(keep.shape[0])
         commit(keep)
-        seen["holes"] = max(seen["holes"], b.tcache.rows - b.tcache.length)
-
-    def spy_compact(index):
-        seen["gathers"] += 1
-        compact(index)
     monkeypatch.setattr(b.tcache, "commit", spy_commit)
-    monkeypatch.setattr(b.tcache, "_compact", spy_compact)
     vanilla = VanillaGenerator(b)
     for tree in (TreeConfig.chain(4), TreeConfig.parse("dynamic:60/8/10")):
         spec = SpeculativeGenerator(b, tree)
         for p in prompts[:8]:
             assert spec.generate(p, MAX_NEW).output_ids == vanilla.generate(p, MAX_NEW).output_ids, (tree, p)
-    assert (seen["holes"] > 64) if policy == "holes" else (seen["holes"] == 0 and seen["gathers"] > 0)
+    assert moves["rows"] > 0
 
 
-def test_kv_holes_logits_match_compacted(engines, monkeypatch):
-    """One verification after commits with holes: logits and features equal those after compacting commits."""
-    from eaglex.runtime import ort_cache
-
+def test_moved_rows_equal_rows_computed_in_place(engines):
+    """After a partial prefill commit and a path through a tree, the cache holds the context's rows bit for bit as
+    a prefill of that context computes them, and the next verification gives the same logits and features."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 48, (1, 12), generator=g)
     tree = torch.randint(0, 48, (1, 5), generator=g)
     mask = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]],
                         dtype=torch.bool)
-    out = []
-    for holes_min, share, rows in ((10 ** 9, 1, 17), (0, 10 ** 9, 10)):
-        monkeypatch.setattr(ort_cache, "HOLES_MIN", holes_min)
-        monkeypatch.setattr(ort_cache, "HOLES_SHARE", share)
-        b = OrtBackend(engines["llama-eagle3"])
+    moved, direct = OrtBackend(engines["llama-eagle3"]), OrtBackend(engines["llama-eagle3"])
+    for b in (moved, direct):
         b.reset(64)
-        b.target_forward(ONE, ids, torch.arange(12)[None], None)
-        b.target_commit(0, torch.tensor([0, 1, 2, 3, 4, 5, 6]))           # 7 of 12 prefill rows: a prefix
-        b.target_forward(ONE, tree, torch.tensor([[7, 8, 8, 9, 9]]), mask)
-        b.target_commit(0, torch.tensor([0, 2, 4]))                         # a path through the tree
-        assert b.tcache.length == 10 and b.tcache.rows == rows
-        out.append(b.target_forward(ONE, tree, torch.tensor([[10, 11, 11, 12, 12]]), mask))
-    assert torch.allclose(out[0][0], out[1][0], atol=1e-5) and torch.allclose(out[0][1], out[1][1], atol=1e-5)
+    moved.target_forward(ONE, ids, torch.arange(12)[None], None)
+    moved.target_commit(0, torch.tensor([0, 1, 2, 3, 4, 5, 6]))           # 7 of 12 prefill rows: a prefix
+    moved.target_forward(ONE, tree, torch.tensor([[7, 8, 8, 9, 9]]), mask)
+    moved.target_commit(0, torch.tensor([0, 2, 4]))                         # a path through the tree
+    context = torch.cat([ids[:, :7], tree[:, [0, 2, 4]]], 1)
+    direct.target_forward(ONE, context, torch.arange(10)[None], None)
+    direct.target_commit(0, torch.arange(10))
+    assert moved.tcache.length == direct.tcache.length == 10
+    for a, b in zip(moved.tcache.buffers, direct.tcache.buffers):
+        assert np.array_equal(a[:10], b[:10])
+    out = [b.target_forward(ONE, tree, torch.tensor([[10, 11, 11, 12, 12]]), mask) for b in (moved, direct)]
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 def _copy(engines, tmp_path, name="llama-eagle3"):
@@ -225,10 +230,12 @@ def test_truncated_graph_too_big_to_hash(engines, tmp_path):
         OrtBackend(e, hash_limit=0)
 
 
-def test_other_format_version(engines, tmp_path):
+@pytest.mark.parametrize("version", [1, 99])     # 1: graphs that concatenate their KV cache (before in-place)
+def test_other_format_version(engines, tmp_path, version):
     e = _copy(engines, tmp_path)
-    _edit_manifest(e, lambda m: m.update(format_version=99))
-    with pytest.raises(ModelError, match=r"format version 99, this eaglex reads version 1: rebuild"):
+    _edit_manifest(e, lambda m: m.update(format_version=version))
+    with pytest.raises(ModelError, match=rf"format version {version}, this eaglex reads version {FORMAT_VERSION}: "
+                                         "rebuild"):
         OrtBackend(e)
 
 

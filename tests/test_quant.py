@@ -25,6 +25,8 @@ from eaglex.engines.build import build_engine
 from eaglex.runtime.backend import ONE
 from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
+from eaglex.export.parity import ort_feeds, torch_outputs
+from eaglex.export.row_attention import ROWS_AXIS
 from eaglex.export import quantize as q
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.generate import VanillaGenerator
@@ -248,7 +250,7 @@ def test_fp8_target_graph_runs_close_to_fp32(float_engine, calibrated, models, t
              "attn_mask": np.tril(np.ones((24, 24), dtype=bool))[None, None]}
     for i in range(L):
         feeds[f"past_key_{i}"] = feeds[f"past_value_{i}"] = np.zeros((1, kv, 0, hd), dtype=np.float32)
-    got = _session(tmp_path / "target.onnx").run(["logits"], feeds)[0][0]
+    got = _session(tmp_path / "target.onnx").run(["logits"], ort_feeds(feeds, 24))[0][0]
     assert _rel(got, want) < 1e-5
 
 
@@ -276,7 +278,7 @@ def test_nbits_target_graph_runs_close_to_fp32(float_engine, models, tmp_path, b
     assert len(rep.quantized) == 7 * L + 1 and rep.skipped == ()     # lm_head included (no calibrated scale needed)
     m = onnx.load(str(tmp_path / "target.onnx"))
     nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 7 * L + 1
+    assert len(nbits) == 4 * L + 1                                    # q|k|v and gate|up fused: one kernel each
     attrs = {a.name: a.i for a in nbits[0].attribute}
     assert attrs["bits"] == bits and attrs["block_size"] == 32 and attrs["accuracy_level"] == 4
     ops = [n.op_type for n in m.graph.node]
@@ -290,18 +292,52 @@ def test_nbits_target_graph_runs_close_to_fp32(float_engine, models, tmp_path, b
 
 
 @pytest.mark.parametrize("heads, error", [((8, 3, 16), "do not group"), ((8, 2, 256), "head_dim <= 128")])
-def test_row_attention_refuses_what_it_cannot_keep_exact(float_engine, heads, error):
-    from eaglex.export.row_attention import rewrite_attention
-    with pytest.raises(ValueError, match=error):
-        rewrite_attention(onnx.load(str(float_engine / "target.onnx")), *heads)
+def test_row_attention_refuses_what_it_cannot_keep_exact(float_engine, tmp_path, heads, error):
+    with pytest.raises(ModelError, match=error):
+        q.nbits_weight_only(float_engine / "target.onnx", tmp_path / "target.onnx", 8, row_attention=heads)
 
 
-def _feeds(spec, tokens, positions, mask, past):
+def test_nbits_refuses_fused_attention(models, tmp_path):
+    """A graph with ONNX Runtime's fused Attention (an engine of an older eaglex) is not quantized as row-independent."""
+    plain = _plain_target_graph(models["llama"], tmp_path)
+    with pytest.raises(ModelError, match="fused Attention"):
+        q.nbits_weight_only(plain, tmp_path / "q.onnx", 8, row_attention=(4, 2, 16))
+
+
+def _plain_target_graph(target_dir, out_dir):
+    """The fixture target exported as the exporter gives it: ONNX Runtime's fused Attention over Concat(past, new)
+    ([B,Hkv,P,D] KV tensors), none of the engine rewrites (export/row_attention.py)."""
+    import dataclasses
+
+    from eaglex.export.graphs import target_graph
+    from eaglex.export.layout import to_matmul_layout
+    from eaglex.export.onnx_export import export_graph
+    from eaglex.models.target import load_target
+
+    target = load_target(target_dir)
+    to_matmul_layout(target)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = export_graph(dataclasses.replace(target_graph(target), heads=None), out_dir)
+    assert res.nodes["Attention"] == target.spec.num_layers
+    return res.path
+
+
+def _run(sess, spec, tokens, positions, mask, past) -> dict[str, np.ndarray]:
+    """One target call with [B,Hkv,P,D] pasts, returning [B,Hkv,P+N,D] presents, whichever KV layout the graph has
+    (an engine graph's rows-first buffers, or the exporter's plain tensors)."""
     feeds = {"input_ids": tokens, "position_ids": positions, "attn_mask": mask,
              "logits_rows": np.arange(tokens.shape[1])}
     for i in range(spec["num_layers"]):
         feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
-    return feeds
+    rows_first = next(i for i in sess.get_inputs() if i.name == "past_key_0").shape[0] == ROWS_AXIS
+    if rows_first:
+        feeds = ort_feeds(feeds, tokens.shape[1])
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    return torch_outputs(out) if rows_first else out
+
+
+def _presents(out: dict, layers: int) -> list[np.ndarray]:
+    return [out[f"present_{k}_{i}"] for i in range(layers) for k in ("key", "value")]
 
 
 def _row_identity_table(sess, spec, ids: np.ndarray, holes: int = 3) -> list[str]:
@@ -316,10 +352,9 @@ def _row_identity_table(sess, spec, ids: np.ndarray, holes: int = 3) -> list[str
     S = ids.shape[0]
     ref, past = [], [np.zeros((1, kv, 0, hd), np.float32)] * (2 * L)
     for p in range(S):
-        out = sess.run(None, _feeds(spec, ids[None, p:p + 1], np.array([[p]]), np.ones((1, 1, 1, p + 1), bool),
-                                    past))
-        ref.append(out[0][0, 0])
-        past = out[-2 * L:]
+        out = _run(sess, spec, ids[None, p:p + 1], np.array([[p]]), np.ones((1, 1, 1, p + 1), bool), past)
+        ref.append(out["logits"][0, 0])
+        past = _presents(out, L)
     ref, kv_ref = np.stack(ref), past
 
     def junk(n, b=1):
@@ -338,8 +373,8 @@ def _row_identity_table(sess, spec, ids: np.ndarray, holes: int = 3) -> list[str
                                            for s in starts], 0))
         tokens = np.stack([ids[s:s + M] for s in starts])
         positions = np.stack([np.arange(s, s + M) for s in starts])
-        out = sess.run(None, _feeds(spec, tokens, positions, mask, tensors))
-        return out[0], out[-2 * L:], P
+        out = _run(sess, spec, tokens, positions, mask, tensors)
+        return out["logits"], _presents(out, L), P
 
     bad = []
     cases = [([S - M], M, 0) for M in range(1, 65)] + [([S - M], M, holes) for M in (1, 2, 3, 8, 17, 64)] \
@@ -355,11 +390,12 @@ def _row_identity_table(sess, spec, ids: np.ndarray, holes: int = 3) -> list[str
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, tmp_path, bits):
+def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, models, prompts, tmp_path, bits):
     """The identity row-independent engines rest on: a row's logits and KV rows are bit for bit the same whether it
-    is computed alone, among M = 1..64 rows, over a KV cache with holes, or batched with other requests padded to
-    the longest. The same MatMulNBits graph with ONNX Runtime's fused Attention fails it (the reason for the
-    rewrite: its one-row calls and its softmax's lanes round differently), so the table can tell."""
+    is computed alone, among M = 1..64 rows, over masked junk keys (a tree's siblings between a node and its
+    ancestors), or batched with other requests padded to the longest. The same model quantized from the exporter's
+    plain graph, with ONNX Runtime's fused Attention, fails it (the reason for the rewrite: its one-row calls and
+    its softmax's lanes round differently), so the table can tell."""
     from eaglex.engines.quantize import ROW_INDEPENDENT_KEYS
 
     spec = read_manifest(float_engine)["target"]["spec"]
@@ -368,7 +404,8 @@ def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, t
     heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
     q.nbits_weight_only(float_engine / "target.onnx", tmp_path / "rows.onnx", bits, row_attention=heads)
     assert _row_identity_table(_session(tmp_path / "rows.onnx"), spec, ids) == []
-    q.nbits_weight_only(float_engine / "target.onnx", tmp_path / "fused.onnx", bits)
+    plain = _plain_target_graph(models["llama"], tmp_path / "plain")
+    q.nbits_weight_only(plain, tmp_path / "fused.onnx", bits)
     assert _row_identity_table(_session(tmp_path / "fused.onnx"), spec, ids) != []
 
 
@@ -390,15 +427,14 @@ def test_nbits_engine_check_is_token_exact(float_engine, models, tmp_path, promp
     e = _copy_engine(float_engine, tmp_path / quant)
     m = quantize_engine(e, quant, progress=False)
     assert m["quant"]["method"] == quant and m["quant"]["calibration"] is None
-    assert m["dtypes"]["weights"] == quant and m["graphs"]["target"]["ops"]["MatMulNBits"] == 7 * L + 1
+    assert m["dtypes"]["weights"] == quant and m["graphs"]["target"]["ops"]["MatMulNBits"] == 4 * L + 1
     assert "Attention" not in m["graphs"]["target"]["ops"]
     assert m["quant"]["bytes_after"] < m["quant"]["bytes_before"]
     assert "MatMulNBits" not in m["graphs"]["draft"]["ops"]        # the head stays float unless asked
     assert not list(tmp_path.glob(f".{quant}.*"))                 # no leftovers of the atomic swap
     assert m["exactness"] == {"row_independent_keys": 1024} and m["tree"] is None
     b = OrtBackend(e)                                               # hashes match the new manifest
-    assert (b.min_rows, b.tcache.allow_holes, b.exact_trees, b.batch_exact, b.exact_keys) == (1, True, None, True,
-                                                                                             1024)
+    assert (b.min_rows, b.exact_trees, b.batch_exact, b.exact_keys) == (1, None, True, 1024)
     for tree in ("chain:3", "dynamic:8/4/2"):
         _check_engine(e, tmp_path, prompts, capsys, "--tree", tree, "--batch", "4")
     eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))
@@ -409,27 +445,31 @@ def test_nbits_engine_check_is_token_exact(float_engine, models, tmp_path, promp
         quantize_engine(e, quant, progress=False)
 
 
-def test_row_independent_cache_keeps_holes_within_its_bound(float_engine, tmp_path):
-    """A one-row call is not padded, a partial commit leaves holes; a forward that would see more keys than the
-    engine's bound compacts first, so that every row past the bound sits at its position, as in vanilla decoding."""
+def test_int8_cache_keeps_rows_where_vanilla_computes_them(float_engine, tmp_path):
+    """A one-row call is not padded; after a partial prefill commit and a path through a tree (rows moved into
+    place), the cache holds every row bit for bit as a prefill of that context computes it, at its position, and
+    the next verification gives the same logits and features."""
     e = _copy_engine(float_engine, tmp_path / "int8")
     quantize_engine(e, "int8", progress=False)
-    b = OrtBackend(e)
-    b.reset(64)
-    b.tcache.holes_within = 16                       # the engine's bound (1024) scaled to this test
-    b.target_forward(ONE, torch.arange(10, 18)[None], torch.arange(8)[None], None)
-    b.target_commit(0, torch.arange(8))
-    logits, feats = b.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
-    assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 1
-    b.target_commit(0, torch.arange(1))
-    b.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
-    b.target_commit(0, torch.tensor([0, 2]))                          # the middle row rejected: a hole
-    assert (b.tcache.rows, b.tcache.length) == (12, 11) and not b.tcache.valid.all()
-    b.target_forward(ONE, torch.tensor([[9, 10, 11, 12]]), torch.arange(11, 15)[None], None)   # 12 + 4 keys: holes stay
-    b.target_commit(0, torch.tensor([0]))
-    assert (b.tcache.rows, b.tcache.length) == (16, 12)
-    b.target_forward(ONE, torch.tensor([[13]]), torch.tensor([[12]]), None)         # 16 + 1 keys: compacts first
-    assert b.tcache.rows == b.tcache.length == 12 and b.tcache.valid.all() and b.tcache.pending == 1
+    moved, direct = OrtBackend(e), OrtBackend(e)
+    for b in (moved, direct):
+        b.reset(64)
+    moved.target_forward(ONE, torch.arange(10, 20)[None], torch.arange(10)[None], None)
+    moved.target_commit(0, torch.arange(8))                                    # 8 of 10 prefill rows
+    logits, feats = moved.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
+    assert logits.shape[1] == 1 and feats.shape[1] == 1 and moved.tcache.pending == 1
+    moved.target_commit(0, torch.arange(1))
+    mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    moved.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 10]]), mask)
+    moved.target_commit(0, torch.tensor([0, 2]))                              # the middle row rejected
+    context = torch.tensor([list(range(10, 18)) + [5, 6, 8]])
+    direct.target_forward(ONE, context, torch.arange(11)[None], None)
+    direct.target_commit(0, torch.arange(11))
+    assert moved.tcache.length == direct.tcache.length == 11 and moved.tcache.pending == 0
+    for a, b in zip(moved.tcache.buffers, direct.tcache.buffers):
+        assert np.array_equal(a[:11], b[:11])
+    out = [b.target_forward(ONE, torch.tensor([[9, 10]]), torch.tensor([[11, 12]]), None) for b in (moved, direct)]
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 def test_int8_draft_on_a_float_target_stays_exact(float_engine, models, tmp_path, prompts, capsys):
@@ -458,8 +498,8 @@ def test_int8_draft_on_a_float_target_stays_exact(float_engine, models, tmp_path
 @needs_modelopt
 def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, calibrated, tmp_path):
     """An FP8 engine's backend turns a one-row target call into two (the padding row never reaches the caller or
-    the committed cache), and a partial commit compacts instead of leaving holes, so every token sits at the same
-    index of the KV cache whether vanilla decoding or a chain verification computed it."""
+    the committed cache), and a partial commit moves the kept rows into place (the cache keeps no holes), so every
+    token sits at the same index of the KV cache whether vanilla decoding or a chain verification computed it."""
     e = _copy_engine(float_engine, tmp_path / "fp8")
     quantize_engine(e, "fp8", calibrated[0], progress=False)
     b = OrtBackend(e)
@@ -470,10 +510,10 @@ def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, calibrated
     logits, feats = b.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
     assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 2
     b.target_commit(0, torch.arange(1))
-    assert b.tcache.rows == b.tcache.length == 9 and b.tcache.valid.all()
+    assert b.tcache.length == 9 and b.tcache.pending == 0
     b.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
     b.target_commit(0, torch.tensor([0, 1]))                          # the last row rejected
-    assert b.tcache.rows == b.tcache.length == 11 and b.tcache.valid.all()
+    assert b.tcache.length == 11 and b.tcache.pending == 0
 
 
 @needs_modelopt
@@ -501,12 +541,8 @@ def _target_steps(sess, spec, ids, prefill: int, chunk: int):
         N = tokens.shape[1]
         mask = np.ones((1, 1, N, P + N), dtype=bool)
         mask[..., P:] = np.tril(np.ones((N, N), dtype=bool))
-        feeds = {"input_ids": tokens, "position_ids": np.arange(P, P + N)[None], "attn_mask": mask,
-                 "logits_rows": np.arange(N)}
-        for i in range(L):
-            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
-        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-        past = [out[f"present_{k}_{i}"] for i in range(L) for k in ("key", "value")]
+        out = _run(sess, spec, tokens, np.arange(P, P + N)[None], mask, past)
+        past = _presents(out, L)
         if start:
             logits.append(out["logits"][0])
         P += N
