@@ -82,11 +82,14 @@ def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None
     _forget_matched_graphs()
     files = [path] + ([path.with_name(path.name + ".data")] if external else [])
     check_structure(path, spec.attention_nodes)
-    nodes = _rewrite_attention(path, spec.heads) if spec.heads else _ops(onnx.load(str(path), load_external_data=False))
+    if spec.heads:
+        nodes = _engine_rewrites(path, spec.heads)
+    else:
+        nodes = _ops(onnx.load(str(path), load_external_data=False))
     return ExportResult(spec.name, path, files, time.perf_counter() - t0, nodes)
 
 
-def _rewrite_attention(path: Path, heads: tuple[int, int, int]) -> Counter:
+def _engine_rewrites(path: Path, heads: tuple[int, int, int]) -> Counter:
     """The rewrites every engine graph with attention gets: RoPE and skip + RMS norm fused (export/fuse.py), KV
     buffers written in place and row-independent attention (export/row_attention.py). They change the saved graph's
     structure only: the weights (external data) are neither read nor rewritten. Returns the new graph's op counts."""

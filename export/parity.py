@@ -10,6 +10,10 @@ only inputs and outputs (small), the caller frees the torch model, then `compare
 
 Draft top-k ids are compared through log-probabilities (torch's log-prob of each id ORT picked must equal ORT's),
 since near-ties may legitimately come out in another order.
+
+The torch modules take and return [B,Hkv,P,D] KV tensors, the engine graphs rows-first buffers
+(export/row_attention.py): `ort_feeds` and `torch_outputs` convert between the two, for this check and for any
+caller that feeds an engine graph torch-style tensors.
 """
 from __future__ import annotations
 

@@ -298,7 +298,7 @@ def test_row_attention_refuses_what_it_cannot_keep_exact(float_engine, tmp_path,
 
 
 def test_nbits_refuses_fused_attention(models, tmp_path):
-    """A graph with ONNX Runtime's fused Attention (an engine of an older eaglex) is not quantized as row-independent."""
+    """A graph with ONNX Runtime's fused Attention (an older eaglex's engine) is not quantized as row-independent."""
     plain = _plain_target_graph(models["llama"], tmp_path)
     with pytest.raises(ModelError, match="fused Attention"):
         q.nbits_weight_only(plain, tmp_path / "q.onnx", 8, row_attention=(4, 2, 16))
