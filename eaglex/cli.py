@@ -92,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="compare speculative with vanilla on the same backend; exit 1 on mismatch")
     _model_args(chk)
     chk.add_argument("--prompts", type=Path, required=True)
-    chk.add_argument("--samples", type=int, default=300, help="sampling check: generations per prompt")
+    chk.add_argument("--samples", type=int, default=300,
+                     help="with --temperature: generations per prompt for the chi-square distribution check, after "
+                          "the token-for-token one (0: skip it)")
     chk.add_argument("--batch", type=int, default=1,
-                     help="greedy: also decode the prompts up to N at a time through the in-flight batcher (the "
-                          "engine's batch schedule) and compare each with the prompt decoded alone")
+                     help="also decode the prompts up to N at a time through the in-flight batcher (the engine's "
+                          "batch schedule) and compare each with the prompt decoded alone by vanilla")
 
     tun = sub.add_parser("tune", help="measure the fastest tree (and batch schedule) on this machine and store it in "
                                       "an engine folder: what every entry point then runs")
@@ -409,8 +411,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from eaglex.runtime.equivalence import (check_distribution, check_greedy, format_batched, format_distribution,
-                                            format_greedy)
+    from eaglex.runtime.equivalence import (check_distribution, check_identical, format_batched, format_distribution,
+                                            format_identical)
 
     engine = open_from_args(args)
     kept = getattr(engine, "kept_tree", None)          # set where tuning chose vanilla; a bundle has none
@@ -427,9 +429,10 @@ def cmd_check(args) -> int:
     sampling = sampling_from_args(args)
     if args.batch < 1:
         raise ModelError(f"--batch must be >= 1, got {args.batch}")
-    if args.batch > 1 and (engine.layout == "bundle" or not sampling.greedy):
-        raise ModelError("check --batch compares greedy decoding on an ONNX Runtime or PyTorch engine: "
-                         + ("drop --temperature" if not sampling.greedy else "drop --batch for a TensorRT-LLM bundle"))
+    if args.samples < 0:
+        raise ModelError(f"--samples must be >= 0, got {args.samples}")
+    if args.batch > 1 and engine.layout == "bundle":
+        raise ModelError("check --batch needs an ONNX Runtime or PyTorch engine; drop --batch for a TensorRT-LLM bundle")
     if engine.layout == "bundle":
         if not sampling.greedy:
             raise ModelError("check on a TensorRT-LLM bundle compares greedy decoding only; drop --temperature")
@@ -437,24 +440,26 @@ def cmd_check(args) -> int:
         bad = sum(not r["identical"] for r in rows)
         print(f"{len(rows) - bad}/{len(rows)} identical to vanilla (tensorrt-llm, EAGLE-3)")
         return 1 if bad else 0
-    if sampling.greedy:
-        rows = check_greedy(engine.backend, engine.tree, prompts, args.max_new_tokens)
-        weights = ((engine.manifest or {}).get("quant") or {}).get("method") or engine.backend.dtype
-        weights += " + int8 draft" if (engine.manifest or {}).get("draft_quant") else ""
-        print(format_greedy(rows, f"{engine.method}, tree {engine.tree}, {weights}"))
-        ok = all(r.identical for r in rows)
-        if args.batch > 1:
-            batched = engine.generate(prompts, sampling, args.max_new_tokens, batch=args.batch)
-            how = (f"up to {args.batch} at a time, batch schedule {engine.batch_schedule()}"
-                   if engine.batch_exact(max(map(len, prompts)) + args.max_new_tokens) else
-                   "one at a time: this engine's exactness rules keep requests apart")
-            text, batch_ok = format_batched(rows, batched, how)
-            print(text)
-            ok = ok and batch_ok
-        return 0 if ok else 1
-    rows = check_distribution(engine.backend, engine.tree, sampling, prompts, samples=args.samples)
-    text, ok = format_distribution(rows)
-    print(text)
+    rows = check_identical(engine.backend, engine.tree, prompts, args.max_new_tokens, sampling)
+    weights = ((engine.manifest or {}).get("quant") or {}).get("method") or engine.backend.dtype
+    weights += " + int8 draft" if (engine.manifest or {}).get("draft_quant") else ""
+    how = "greedy" if sampling.greedy else (f"sampled: temperature {sampling.temperature}, top-p {sampling.top_p}, "
+                                            f"top-k {sampling.top_k}, seed {sampling.seed}")
+    print(format_identical(rows, f"{engine.method}, tree {engine.tree}, {weights}, {how}"))
+    ok = all(r.identical for r in rows)
+    if args.batch > 1:
+        batched = engine.generate(prompts, sampling, args.max_new_tokens, batch=args.batch)
+        how = (f"up to {args.batch} at a time, batch schedule {engine.batch_schedule()}"
+               if engine.batch_exact(max(map(len, prompts)) + args.max_new_tokens) else
+               "one at a time: this engine's exactness rules keep requests apart")
+        text, batch_ok = format_batched(rows, batched, how)
+        print(text)
+        ok = ok and batch_ok
+    if not sampling.greedy and args.samples > 0:
+        text, dist_ok = format_distribution(check_distribution(engine.backend, engine.tree, sampling, prompts,
+                                                               samples=args.samples))
+        print(text)
+        ok = ok and dist_ok
     return 0 if ok else 1
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from eaglex.base.errors import ModelError
 from eaglex.base.prompts import BUILTIN_PROMPTS, encode, read_records
 from eaglex.runtime.engine import open_engine, open_models
-from eaglex.runtime.equivalence import check_greedy
+from eaglex.runtime.equivalence import check_identical
 
 from .presets import REPO_ROOT, Preset, get_preset, preset_folders, require_resources
 
@@ -38,7 +38,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
     tune_engine(engine, prompts, force=force)
     # where tuning chose vanilla the head's tree is still checked: its losslessness is a promise of the engine
     head = engine.speculative()
-    rows = check_greedy(head.backend, head.tree, prompts, max_new_tokens)
+    rows = check_identical(head.backend, head.tree, prompts, max_new_tokens)
     bad = [r.index for r in rows if not r.identical]
     taus = [r.tau for r in rows if r.speculative.cycles]
     which = f"tree {head.tree}" + (", the head's: tuning chose vanilla" if head is not engine else "")

@@ -23,12 +23,10 @@ the forward's last row).
 Prefill stays out of the batched forwards: a joining request's prompt runs alone on its slot.
 
 Exactness: a request's greedy tokens are the target's argmax given its own context, whatever else is in the
-batch; sampling draws from the request's own torch.Generator (seeded by its SamplingConfig.seed), through the same
-verify_sampling whatever the batch. Batched forwards round differently from a request alone at the 1e-5 level
-(see batch_backend.py). Near a tie that can change which tokens the draft proposes (never what the target accepts
-for a greedy request); a sampled request's draws depend on the tree it is offered, so its output is fixed by its
-seed and the schedule, and equals the request decoded alone with the same tree unless such a tie falls
-differently.
+batch; a sampled request's token at output position t is the target's draw there under its seed (sampling.draw),
+whatever the tree or the batch, so it is the token vanilla decoding alone draws with that seed. Batched forwards
+round differently from a request alone at the 1e-5 level (see batch_backend.py): near a tie that can change which
+tokens the draft proposes, never what the target emits, unless the target's own choice is tied within that.
 """
 from __future__ import annotations
 
@@ -44,7 +42,7 @@ from .cost import cost_curve
 from .device import to_device
 from .drafter import Drafter
 from .request import Clock, Request, start_request
-from .sampling import argmax, logits_to_probs, sample
+from .sampling import argmax, draw, logits_to_probs
 from .types import DraftTip, SamplingConfig, TreeConfig
 from .verify import verify_rows
 
@@ -166,7 +164,7 @@ class BatchedGenerator:
         """Queue a request (ValueError when it does not fit the target; nothing is queued then)."""
         result, emitter = start_request(self.spec, input_ids, max_new_tokens, on_tokens, stop)
         req = Request(self.submitted, list(input_ids), sampling, result, emitter, time.perf_counter(),
-                      torch.Generator().manual_seed(sampling.seed), max_new_tokens)
+                      max_new_tokens)
         self.submitted += 1
         self.queue.append(req)
         return req
@@ -277,7 +275,7 @@ class BatchedGenerator:
                                        torch.stack([t.tokens for t in trees]),
                                        base[:, None] + torch.stack([t.depths for t in trees]),
                                        torch.stack([t.mask for t in trees]))
-        verdicts = verify_rows(trees, logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        verdicts = verify_rows(trees, logits, [r.sampling for r in reqs], [len(r.result.output_ids) for r in reqs])
         for i, (r, tree, verdict) in enumerate(zip(reqs, trees, verdicts)):
             backend.target_commit(rows.start + i, verdict.nodes)
             accepted = tree.tokens[verdict.nodes[1:]].tolist()
@@ -341,7 +339,7 @@ class BatchedGenerator:
     def _pick(req: Request, logits: torch.Tensor) -> int:
         if req.sampling.greedy:
             return int(argmax(logits))
-        return int(sample(logits_to_probs(logits, req.sampling), req.generator))
+        return draw(logits_to_probs(logits, req.sampling), req.sampling.seed, len(req.result.output_ids))
 
     def _emit(self, req: Request, tokens: list[int]) -> int:
         """Emit through the request's stop rules; a callback that raises ends that request alone."""

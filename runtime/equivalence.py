@@ -1,15 +1,17 @@
 """Equivalence checks behind `eaglex check`: speculative against vanilla on the same backend and precision.
 
-Greedy: token-for-token identity, with the first divergence and the target's logit margin there (a tiny margin
-points at floating-point reduction order, a large one at a bug); with `--batch N`, also each prompt decoded by the
-in-flight batcher among the others against the same prompt decoded alone by vanilla decoding. Sampling: the emitted tokens must follow the
-target's own distribution, tested per prompt with a chi-square goodness-of-fit against the exact conditional
-probabilities that the target assigns.
+Identity, greedy or sampled: token-for-token, with the first divergence and, greedy, the target's logit margin there
+(a tiny margin points at floating-point reduction order, a large one at a bug); with `--batch N`, also each prompt
+decoded by the in-flight batcher among the others against the same prompt decoded alone by vanilla decoding. A
+sampled request draws from noise fixed by its seed and position (sampling.draw), so speculation must reproduce
+vanilla's sample exactly. Sampling also gets a distribution check: the emitted tokens must follow the target's own
+distribution, tested per prompt with a chi-square goodness-of-fit against the exact conditional probabilities that
+the target assigns.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,13 +22,13 @@ from .types import SamplingConfig, TreeConfig
 
 
 @dataclass(frozen=True)
-class GreedyRow:
+class IdentityRow:
     index: int
     identical: bool
     tau: float
     new_tokens: int
     divergence: int | None        # first differing output position
-    margin: float | None          # target top-1 minus top-2 logit at that position (vanilla's context)
+    margin: float | None          # greedy: target top-1 minus top-2 logit at that position (vanilla's context)
     vanilla: GenerationResult
     speculative: GenerationResult
 
@@ -48,15 +50,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return div
 
 
-def check_greedy(backend: Backend, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int) -> list[GreedyRow]:
-    vanilla, spec = VanillaGenerator(backend), SpeculativeGenerator(backend, tree)
+def check_identical(backend: Backend, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int,
+                    sampling: SamplingConfig = SamplingConfig()) -> list[IdentityRow]:
+    """Each prompt decoded by vanilla and by speculative decoding, greedy or sampled (prompt i with the seed
+    derive_seed(sampling.seed, i), as Engine.generate gives it), compared token for token."""
     rows = []
     for i, p in enumerate(prompts):
-        v = vanilla.generate(p, max_new_tokens)
-        s = spec.generate(p, max_new_tokens)
+        cfg = sampling if sampling.greedy else replace(sampling, seed=derive_seed(sampling.seed, i))
+        v = VanillaGenerator(backend, cfg).generate(p, max_new_tokens)
+        s = SpeculativeGenerator(backend, tree, cfg).generate(p, max_new_tokens)
         div = first_divergence(v.output_ids, s.output_ids)
-        margin = logit_margin(backend, p + v.output_ids[:div]) if div is not None else None
-        rows.append(GreedyRow(i, div is None, s.tau, len(s.output_ids), div, margin, v, s))
+        margin = logit_margin(backend, p + v.output_ids[:div]) if div is not None and cfg.greedy else None
+        rows.append(IdentityRow(i, div is None, s.tau, len(s.output_ids), div, margin, v, s))
     return rows
 
 
@@ -132,11 +137,11 @@ def chi2_sf(chi2: float, dof: int) -> float:
     return _chi2_sf(chi2, dof) if math.isfinite(chi2) else 0.0
 
 
-def format_greedy(rows: list[GreedyRow], what: str) -> str:
-    """`eaglex check`'s table for greedy decoding, one line per prompt and a summary."""
+def format_identical(rows: list[IdentityRow], what: str) -> str:
+    """`eaglex check`'s identity table, one line per prompt and a summary."""
     lines = [f"{'#':>3} {'identical':>9} {'tau':>5} {'tokens':>6}  first divergence (logit margin)"]
     for r in rows:
-        div = "-" if r.identical else f"at {r.divergence} (margin {r.margin:.3g})"
+        div = "-" if r.identical else f"at {r.divergence}" + ("" if r.margin is None else f" (margin {r.margin:.3g})")
         lines.append(f"{r.index:>3} {'yes' if r.identical else 'NO':>9} {r.tau:>5.2f} {r.new_tokens:>6}  {div}")
     bad = sum(not r.identical for r in rows)
     taus = [r.tau for r in rows if r.speculative.cycles]
@@ -145,9 +150,9 @@ def format_greedy(rows: list[GreedyRow], what: str) -> str:
     return "\n".join(lines)
 
 
-def format_batched(rows: list[GreedyRow], batched: list[GenerationResult], what: str) -> tuple[str, bool]:
+def format_batched(rows: list[IdentityRow], batched: list[GenerationResult], what: str) -> tuple[str, bool]:
     """The batched check: each prompt's output from the in-flight batcher against its vanilla output decoded alone
-    (rows from check_greedy) -> (text, all identical)."""
+    (rows from check_identical, same sampling) -> (text, all identical)."""
     divs = [first_divergence(r.vanilla.output_ids, b.output_ids) for r, b in zip(rows, batched)]
     lines = [f"{r.index:>3} batched output differs from vanilla decoded alone at {d}"
              for r, d in zip(rows, divs) if d is not None]

@@ -118,7 +118,6 @@ class Request:
     result: GenerationResult
     emitter: Emitter
     submitted: float
-    generator: torch.Generator = None
     max_new_tokens: int = 0
     admitted: float | None = None          # perf_counter time its prefill started
     first_token_at: float | None = None   # perf_counter time of the first token (TTFT = first_token_at - submitted)

@@ -5,12 +5,18 @@ the same semantics and order as Hugging Face's TemperatureLogitsWarper / TopKLog
 order `generate()` uses), so "lossless" here means "distributed like transformers' sampling of the target".
 Greedy decoding never comes through here: it takes the argmax of the raw logits.
 
+Drawing (`draw`) is coupled by position: the token sampled at output position t of a request is a function of the
+target's distribution there, the request's seed and t alone. That is what lets verification (verify.py) accept
+exactly the tokens vanilla decoding would have sampled with the same seed.
+
 Pure functions: tensors in, tensors out.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from .device import host
 from .types import SamplingConfig
 
 
@@ -41,18 +47,33 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int | torch.Tensor:
-    """probs [V] -> int token, or probs [B, V] -> Tensor[B] int64. Rows need not sum to 1, only be >= 0 with mass.
+def noise(seed: int, position: int, size: int) -> np.ndarray:
+    """[size] float64 Exp(1) variates for output position `position` of the stream `seed`, one per vocabulary id.
 
-    torch.multinomial draws on the generator's device, so the probabilities move there (the verifier keeps a CPU
-    generator; one small copy per cycle is cheaper than a generator per device).
+    Philox is counter-based: keyed by the seed, counting from (0, position, 0, 0), so the numbers at a position
+    are a pure function of (seed, position), whoever asks and in whatever order. 32-bit uniforms u = (k + 1/2) / 2^32
+    lie in (0, 1), so E = -log u is finite and > 0.
     """
-    if probs.dim() not in (1, 2):
-        raise ValueError(f"probs must be [V] or [B, V], got shape {tuple(probs.shape)}")
-    out = torch.multinomial(probs.to(generator.device), 1, generator=generator)  # [1] or [B, 1]
-    if probs.dim() == 1:
-        return int(out.item())
-    return out.squeeze(-1).to(probs.device)
+    bits = np.random.Philox(key=seed % 2 ** 128, counter=[0, position, 0, 0]).random_raw((size + 1) // 2)
+    u = bits.view(np.uint32)[:size].astype(np.float64)
+    u += 0.5
+    u *= 2.0 ** -32
+    np.log(u, out=u)
+    return np.negative(u, out=u)
+
+
+def draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """probs [V] (>= 0, with mass; need not sum to 1) -> the token sampled at output `position` of stream `seed`.
+
+    An exponential race: argmax_i p_i / E_i with E = noise(seed, position), which picks i with probability
+    p_i / sum(p) (the first arrival of independent Poisson clocks of rates p_i). Tokens with p = 0 never win.
+    Because the noise depends on (seed, position) only, every decoder that reaches a position with the same
+    distribution draws the same token there: vanilla one token at a time, any draft tree, alone or batched.
+    """
+    if probs.dim() != 1:
+        raise ValueError(f"probs must be [V], got shape {tuple(probs.shape)}")
+    p = host(probs.float())[0].numpy()
+    return int(np.argmax(p / noise(seed, position, p.shape[0])))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -70,6 +91,5 @@ def derive_seed(seed: int, index: int) -> int:
     """The seed of stream `index` under a run's `seed`: numpy's SeedSequence hashes (seed, index), so streams of
     different runs and of different prompts never coincide (a plain seed + index would make run s's prompt 1 and
     run s+1's prompt 0 draw the same samples). 63 bits: what torch.Generator.manual_seed takes."""
-    import numpy as np
     state = np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0]
     return int(state) >> 1

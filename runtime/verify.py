@@ -1,12 +1,13 @@
 """Acceptance: given a drafted tree and the target's logits at every node, which nodes to keep and what comes next.
 
 This module owns the lossless guarantee (as the official code's evaluate_posterior). Greedy: accept the longest
-root path whose every token is the target's argmax at its parent, then emit the argmax after it. Sampling
-(EAGLE-2/3): the draft picks its tokens deterministically, so q is a point mass and each child x is accepted with
-the target's residual probability p(x); a rejected child is removed from p and p renormalised; the next token comes
-from the residual.
-That is sequential rejection over distinct children, and the emitted sequence is distributed exactly as sampling
-the target token by token.
+root path whose every token is the target's argmax at its parent, then emit the argmax after it. Sampling: the
+same walk, with the target's sample in place of its argmax. A request's sample at output position t is drawn from
+noise fixed by its seed and t (sampling.draw), so at each node the target draws exactly the token vanilla decoding
+would draw there; the walk follows the child holding it. The emitted sequence is therefore the vanilla engine's
+sampled sequence for that seed, token for token (up to float ties, as greedy), and so distributed exactly as the
+target's. A child is accepted with probability p(x), the most any verifier can accept a drafted token with (the
+same as sequential rejection over the children, without its residual draws).
 
 Row i of `logits` is the target's next-token distribution after node i (root and its ancestors in context).
 """
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from .device import host
-from .sampling import argmax, logits_to_probs, sample
+from .sampling import argmax, draw, logits_to_probs
 from .types import DraftTree, SamplingConfig, Verdict
 
 
@@ -56,59 +57,35 @@ def _verify_greedy_host(tree: DraftTree, top: np.ndarray) -> Verdict:
     return Verdict(nodes=torch.from_numpy(nodes), next_token=int(top[nodes[-1]]))
 
 
-def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig,
-                    generator: torch.Generator) -> Verdict:
-    """tree with N nodes, logits [N, V] -> Verdict whose emitted tokens are distributed exactly as the target's.
+def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, position: int) -> Verdict:
+    """tree with N nodes, logits [N, V] -> Verdict: the path of the target's own samples, as vanilla would draw them.
 
-    Emitted sequence = tree.tokens[nodes[1:]] followed by next_token. Loops over accepted depth only; each level
-    tests all of the node's children with one vector of uniforms.
+    The root's token sits at output position `position` - 1, so the token after node i is drawn at position
+    `position` + depth(i), from the target's distribution there under cfg.seed (sampling.draw). The walk
+    is the greedy walk with that draw in place of the argmax: follow the child holding the drawn token while there
+    is one, then emit the draw after the last accepted node. Walks only the accepted depth (one draw per level).
     """
     _check(tree, logits)
     if cfg.greedy:
         raise ValueError("verify_sampling needs temperature > 0; use verify_greedy")
     # The tree structure is tiny and the walk is sequential: keep it on the host, touch the device once per level.
-    parents, tokens = tree.parents.cpu(), tree.tokens.cpu()
-    # A sibling repeating an earlier sibling's token is never accepted (that token's p is already 0 by then), and
-    # trying it again would count its mass twice: detach it from the walk once, up front (first occurrence wins).
-    idx = torch.arange(parents.shape[0])
-    dup = ((parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :])
-           & (idx[None, :] < idx[:, None])).any(dim=1)           # [N]; (bool .tril() is very slow on CPU)
-    walk_parents = parents.masked_fill(dup, -2)
+    parents, tokens, depths = tree.parents.cpu().numpy(), tree.tokens.cpu().numpy(), tree.depths.cpu().numpy()
     node, accepted = 0, [0]
     while True:
-        p = logits_to_probs(logits[node], cfg)                   # [V] target distribution after `node`
-        kids = (walk_parents == node).nonzero().squeeze(-1)      # [m] distinct children in node order
-        if kids.numel() == 0:
-            # Leaf (or whole path accepted): the bonus token straight from the target
-            return Verdict(nodes=torch.tensor(accepted, device=tree.tokens.device), next_token=sample(p, generator))
-        toks = tokens[kids]                                      # [m]
-
-        # Trying children in order with "accept x w.p. p[x], else zero it and renormalise" means child j is accepted
-        # with p[x_j] / (mass not yet rejected). That mass is computed as (mass off the children) + (suffix sum over
-        # the children) instead of 1 - prefix sum: when the children hold all the mass, the last one with p > 0 gets
-        # exactly p/p = 1, so rounding can never leave an all-zero residual to renormalise (which would be NaN).
-        dev_toks = toks.to(p.device)
-        residual = p.index_fill(0, dev_toks, 0.0)                # [V] p with every child removed
-        mass = torch.cat([p[dev_toks], residual.sum()[None]]).double().cpu()  # [m + 1], one transfer per level
-        px, rest = mass[:-1], mass[-1]
-        remaining = rest + px.flip(0).cumsum(0).flip(0)          # [m] mass still untried when child j comes up
-        cond = torch.where(remaining > 0, px / remaining, torch.zeros_like(px)).clamp(max=1.0)
-        u = torch.rand(cond.shape[0], generator=generator, device=generator.device, dtype=torch.float64).cpu()
-        # Strict <: U in [0, 1), so cond 1 always accepts and a token filtered to p = 0 never does.
-        hit = (u < cond).nonzero()
-        if hit.numel() == 0:
-            # Everything rejected: the recovered token comes from the residual (rest > 0 here, see above)
-            return Verdict(nodes=torch.tensor(accepted, device=tree.tokens.device),
-                           next_token=sample(residual / residual.sum(), generator))
-        node = int(kids[int(hit[0])])
+        token = draw(logits_to_probs(logits[node], cfg), cfg.seed, position + int(depths[node]))
+        child = np.flatnonzero((parents == node) & (tokens == token))   # a repeated sibling: the first one
+        if child.size == 0:
+            return Verdict(nodes=torch.tensor(accepted, device=tree.tokens.device), next_token=token)
+        node = int(child[0])
         accepted.append(node)
 
 
 def verify_rows(trees: list[DraftTree], logits: torch.Tensor, samplings: list[SamplingConfig],
-                generators: list[torch.Generator]) -> list[Verdict]:
-    """A batch's verdicts: trees[b] (N nodes each) against logits[b] [N,V], under samplings[b] / generators[b].
-    The greedy rows are decided from one argmax over all of their nodes (one read from the device), each walked
-    on the host as verify_greedy walks it; each sampled row walks its own tree with its own generator."""
+                positions: list[int]) -> list[Verdict]:
+    """A batch's verdicts: trees[b] (N nodes each) against logits[b] [N,V], under samplings[b] (and its seed), the
+    root of trees[b] being the token before output position positions[b]. The greedy rows are decided from one
+    argmax over all of their nodes (one read from the device), each walked on the host as verify_greedy walks it;
+    each sampled row walks its own tree with its own draws."""
     out: list[Verdict | None] = [None] * len(trees)
     greedy = [b for b, s in enumerate(samplings) if s.greedy]
     if greedy:
@@ -122,5 +99,5 @@ def verify_rows(trees: list[DraftTree], logits: torch.Tensor, samplings: list[Sa
                 out[b] = verify_greedy(trees[b], logits[b])
     for b, s in enumerate(samplings):
         if not s.greedy:
-            out[b] = verify_sampling(trees[b], logits[b], s, generators[b])
+            out[b] = verify_sampling(trees[b], logits[b], s, positions[b])
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
@@ -189,7 +190,8 @@ def parse(body, chat: bool, max_tokens_limit: int = 2 ** 31 - 1) -> Completion:
 
 def triton_request(c: Completion) -> dict:
     """The generate_stream body for the eaglex model: always streamed (one event per verification cycle). A
-    negative seed maps onto the model's unsigned seeds one to one."""
+    negative seed maps onto the model's unsigned seeds one to one; a sampled request without one gets a fresh random
+    seed, as OpenAI's API samples anew each call (the model's own default, 0, would repeat one sample)."""
     body = {"max_tokens": c.max_tokens, "temperature": c.temperature, "top_p": c.top_p, "stream": True}
     if c.max_tokens is None:
         del body["max_tokens"]
@@ -199,6 +201,8 @@ def triton_request(c: Completion) -> dict:
         body["text_input"], body["chat_template"] = c.prompt, False
     if c.seed is not None:
         body["seed"] = c.seed % 2 ** 64
+    elif c.temperature > 0:
+        body["seed"] = secrets.randbits(64)
     if c.stop:
         body["stop_words"] = list(c.stop)
     return body

@@ -113,8 +113,31 @@ def test_check_sampling(models, tmp_path, prompts, capsys, monkeypatch):
     """The fixtures are peaked (median top-1 logit gap ~12), so a high temperature makes the target distribution broad."""
     args = _check_sampling_args(models, tmp_path, prompts, "dynamic:8/4/3")
     assert main(args) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2/2 identical to vanilla (" in out and "2/2 prompts consistent with the target distribution" in out
     monkeypatch.setattr(batch_mod, "verify_rows", _accept_first_children)
     assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "NO" in out and "2/2 identical to vanilla (" not in out
+
+
+def test_check_sampled_batched(models, prompt_file, capsys, monkeypatch):
+    """Sampled, each prompt decoded among the others by the batcher is the one vanilla samples alone with the same
+    seed; a batcher that accepts draft tokens blindly when it verifies several requests at once fails."""
+    args = ["check", "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
+            "--prompts", str(prompt_file), "--max-new-tokens", "24", "--batch", "4", "--temperature", "1.5",
+            "--samples", "0"]
+    assert main(args) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "6/6 identical to vanilla (" in out and "6/6 identical to vanilla decoded alone when batched" in out
+    assert "consistent with the target distribution" not in out                      # --samples 0: skipped
+    verify_rows = batch_mod.verify_rows
+
+    def broken_when_batched(trees, *args):
+        return (_accept_first_children if len(trees) > 1 else verify_rows)(trees, *args)
+    monkeypatch.setattr(batch_mod, "verify_rows", broken_when_batched)
+    assert main(args) == 1
+    assert "batched output differs from vanilla decoded alone" in capsys.readouterr().out
 
 
 def test_check_sampling_cost_tree(models, tmp_path, prompts, capsys):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglex.runtime.equivalence import check_greedy, format_greedy
+from eaglex.runtime.equivalence import check_identical, format_identical
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
@@ -164,8 +164,8 @@ def test_bf16_check_reports_margins(models, cases_prompts):
     backend = TorchBackend(models["llama"], models["llama/eagle3"], dtype="bfloat16", device=DEVICE,
                            mode=MODE)
     tree = TreeConfig.parse("dynamic:16/6/4")
-    rows = check_greedy(backend, tree, cases_prompts, MAX_NEW)
-    print(format_greedy(rows, f"eagle3, tree {tree}, bfloat16 on {DEVICE}"))
+    rows = check_identical(backend, tree, cases_prompts, MAX_NEW)
+    print(format_identical(rows, f"eagle3, tree {tree}, bfloat16 on {DEVICE}"))
     for r in rows:
         assert r.identical == (r.divergence is None)
         if not r.identical:

@@ -64,6 +64,13 @@ def test_parse_refuses_with_the_parameter(body, chat, param, message):
     assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
 
 
+def test_unseeded_sampled_requests_get_fresh_seeds():
+    """OpenAI samples anew on each call without a seed; greedy requests need none."""
+    seeds = {triton_request(parse({**CHAT, "temperature": 0.8}, chat=True))["seed"] for _ in range(20)}
+    assert len(seeds) == 20 and all(0 <= s < 2 ** 64 for s in seeds)
+    assert "seed" not in triton_request(parse({**CHAT, "temperature": 0}, chat=True))
+
+
 def test_triton_request():
     c = parse({**CHAT, "max_tokens": 9, "temperature": 0, "seed": -1, "stop": ["a", "b"]}, chat=True)
     body = triton_request(c)
@@ -71,6 +78,7 @@ def test_triton_request():
     assert body == {"max_tokens": 9, "temperature": 0.0, "top_p": 1.0, "stream": True, "seed": 2 ** 64 - 1,
                     "stop_words": ["a", "b"]}
     body = triton_request(parse({"model": "m", "prompt": ["raw"]}, chat=False))
+    assert isinstance(body.pop("seed"), int)                  # sampled (OpenAI's default temperature 1), unseeded
     assert body == {"temperature": 1.0, "top_p": 1.0, "stream": True, "text_input": "raw", "chat_template": False}
 
 

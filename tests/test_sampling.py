@@ -1,10 +1,11 @@
-"""logits_to_probs must match transformers' warpers (temperature -> top-k -> top-p) exactly; sample() basics."""
+"""logits_to_probs must match transformers' warpers (temperature -> top-k -> top-p) exactly; draw() basics."""
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from eaglex.runtime.sampling import logits_to_probs, sample
+from eaglex.runtime.sampling import draw, logits_to_probs, noise
 from eaglex.runtime.types import SamplingConfig
 
 
@@ -95,24 +96,31 @@ def test_greedy_has_no_distribution():
         logits_to_probs(torch.zeros(4), SamplingConfig(temperature=0.0))
 
 
-def test_sample_shapes_and_point_mass():
-    g = torch.Generator().manual_seed(0)
+def test_draw_point_mass_and_zeros():
     one_hot = torch.zeros(8)
     one_hot[5] = 1.0
-    assert sample(one_hot, g) == 5
-    batch = torch.eye(4)[[2, 0, 3]]
-    out = sample(batch, g)
-    assert out.dtype == torch.int64 and out.tolist() == [2, 0, 3]
+    assert {draw(one_hot, seed, t) for seed in range(50) for t in range(5)} == {5}
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])            # filtered tokens never come out
+    assert {draw(probs, seed, 0) for seed in range(300)} == {1, 3}
     with pytest.raises(ValueError):
-        sample(torch.ones(2, 2, 2), g)
+        draw(torch.ones(2, 2), 0, 0)
 
 
-def test_sample_seeded_and_distributed():
-    probs = torch.tensor([0.1, 0.6, 0.3])
-    a = [sample(probs, torch.Generator().manual_seed(s)) for s in range(20)]
-    b = [sample(probs, torch.Generator().manual_seed(s)) for s in range(20)]
-    assert a == b
-    g = torch.Generator().manual_seed(7)
-    draws = sample(probs.expand(20000, 3), g)
-    freq = torch.bincount(draws, minlength=3).float() / 20000
-    assert (freq - probs).abs().max() < 0.015
+def test_draw_is_a_function_of_seed_and_position():
+    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(3)), -1)
+    assert [draw(probs, 7, t) for t in range(30)] == [draw(probs, 7, t) for t in range(30)]
+    assert [draw(probs, 7, t) for t in range(30)] != [draw(probs, 8, t) for t in range(30)]
+    assert [draw(probs, 7, t) for t in reversed(range(30))] == [draw(probs, 7, t) for t in range(30)][::-1]
+    np.testing.assert_array_equal(noise(7, 12, 1000), noise(7, 12, 5000)[:1000])  # the vocabulary size aside
+    assert (noise(7, 12, 1000) > 0).all() and np.isfinite(noise(7, 12, 1000)).all()
+
+
+@pytest.mark.parametrize("probs", [[0.1, 0.6, 0.3], [0.001, 0.009, 0.09, 0.9], [0.25] * 4], ids=str)
+def test_draw_is_distributed_as_probs(probs):
+    """Chi-square over 20000 draws: across positions of one seed, and across seeds at one position."""
+    p = torch.tensor(probs)
+    for draws in ([draw(p, 11, t) for t in range(20000)], [draw(p, s, 3) for s in range(20000)]):
+        counts = torch.bincount(torch.tensor(draws), minlength=len(probs)).double()
+        expected = 20000 * p.double()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 3 * len(probs) + 15, (chi2, counts.tolist())

@@ -46,14 +46,14 @@ def test_committed_prompts_are_the_chat_template_of_their_text(target):
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])
 def test_committed_heads_are_lossless_and_draft_well(target, head):
     from eaglex.base.prompts import read_prompts
-    from eaglex.runtime.equivalence import check_greedy
+    from eaglex.runtime.equivalence import check_identical
     from eaglex.runtime.torch_backend import TorchBackend
     from eaglex.runtime.types import TreeConfig
 
     backend = TorchBackend(target, HEADS / head)
     assert backend.draft_kind == head
     prompts = read_prompts(HEADS / "prompts.jsonl", None)[:2]
-    rows = check_greedy(backend, TreeConfig.parse("chain:4"), prompts, 32)
+    rows = check_identical(backend, TreeConfig.parse("chain:4"), prompts, 32)
     assert all(r.identical for r in rows)
     assert sum(r.tau for r in rows) / len(rows) > 1.8
 

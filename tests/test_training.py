@@ -366,14 +366,14 @@ def test_train_draft_init_refuses_a_head_that_does_not_fit(models, tmp_path, cap
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])
 def test_committed_default_is_lossless(head):
     from eaglex.base.prompts import read_prompts
-    from eaglex.runtime.equivalence import check_greedy
+    from eaglex.runtime.equivalence import check_identical
     from eaglex.runtime.torch_backend import TorchBackend
 
     backend = TorchBackend(TINY / "target", TINY / head)
     assert backend.draft_kind == head
     prompts = read_prompts(TINY / "prompts.jsonl", None)[:3]
     tree = TreeConfig.parse("dynamic:16/6/4")
-    rows = check_greedy(backend, tree, prompts, 48)
+    rows = check_identical(backend, tree, prompts, 48)
     assert all(r.identical for r in rows)
     assert sum(r.tau for r in rows) / len(rows) > (2.0 if head == "eagle3" else 1.5)
 

@@ -1,10 +1,12 @@
-"""Verification: greedy path selection, and the sampling verifier's exact preservation of the target distribution."""
+"""Verification: greedy path selection; sampled verification emits what vanilla sampling draws with the same seed,
+and so preserves the target distribution exactly."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from eaglex.runtime.sampling import logits_to_probs
+from eaglex.runtime.sampling import derive_seed, draw, logits_to_probs
 from eaglex.runtime.tree import MC_SIM_7B_63, static_plan, tree_from_parents
 from eaglex.runtime.types import SamplingConfig, Verdict
 from eaglex.runtime.verify import verify_greedy, verify_sampling
@@ -106,10 +108,12 @@ def exact_joint(cfg):
 
 
 def empirical_joint(verifier, cfg, draws, seed):
-    g = torch.Generator().manual_seed(seed)
+    """Counts of the first two emitted tokens over `draws` cycles of one stream `seed`, cycle i at positions 2i
+    and 2i + 1 (so every cycle draws fresh noise)."""
+    cfg = replace(cfg, seed=seed)
     counts = torch.zeros(V5 * (V5 + 1), dtype=torch.float64)
-    for _ in range(draws):
-        verdict = verifier(DIST_TREE, DIST_LOGITS, cfg, g)
+    for i in range(draws):
+        verdict = verifier(DIST_TREE, DIST_LOGITS, cfg, 2 * i)
         seq = DIST_TREE.tokens[verdict.nodes[1:]].tolist() + [verdict.next_token]
         counts[seq[0] * (V5 + 1) + (seq[1] if len(seq) > 1 else V5)] += 1
     return counts
@@ -147,11 +151,12 @@ def test_verify_sampling_preserves_target_distribution(cfg, draws):
 
 
 def sequential_verifier(renormalise, residual):
-    """Straight sequential EAGLE-2 verifier (one uniform per child) whose two corrections can be
-    switched off to make it WRONG: without `renormalise` a later child is accepted with its raw p instead of
-    p / (mass left); without `residual` the recovered token is drawn from the full p instead of p with the rejected
-    children removed."""
-    def verify(tree, logits, cfg, g):
+    """Straight sequential rejection verifier (the official EAGLE-2 scheme: one uniform per child) whose two
+    corrections can be switched off to make it WRONG: without `renormalise` a later child is accepted with its raw
+    p instead of p / (mass left); without `residual` the recovered token is drawn from the full p instead of p with
+    the rejected children removed."""
+    def verify(tree, logits, cfg, position):
+        g = torch.Generator().manual_seed(derive_seed(cfg.seed, position))
         node, nodes = 0, [0]
         while True:
             p = logits_to_probs(logits[node], cfg).double()
@@ -172,7 +177,7 @@ def sequential_verifier(renormalise, residual):
 
 
 def test_sequential_reference_passes_the_check():
-    # The plain loop with both corrections on is a second correct verifier: it must pass like verify_sampling
+    # Sequential rejection is a second correct verifier: it must pass like verify_sampling
     cfg, draws = DIST_CONFIGS[0]
     counts = empirical_joint(sequential_verifier(True, True), cfg, draws // 2, seed=1)
     ok, chi2, crit, tv = distribution_check(counts, exact_joint(cfg))
@@ -188,6 +193,71 @@ def test_distribution_check_catches_wrong_verifier(renormalise, residual):
     assert not ok and chi2 > 3 * crit and tv > 0.05, f"chi2={chi2:.1f}, tv={tv:.4f}"
 
 
+# ---------------------------------------------------------------- sampling: the vanilla engine's draws
+
+def _target(prefix: tuple[int, ...], vocab: int = 7) -> torch.Tensor:
+    """A made-up target: logits after `prefix`, a fixed function of it."""
+    g = torch.Generator().manual_seed(hash(prefix) % 2 ** 31)
+    return torch.randn(vocab, generator=g) * 2
+
+
+def _vanilla(prefix, cfg, position, n):
+    """The tokens vanilla sampling emits at positions position..position+n-1 after `prefix`."""
+    out = []
+    for t in range(position, position + n):
+        out.append(draw(logits_to_probs(_target(tuple(prefix) + tuple(out)), cfg), cfg.seed, t))
+    return out
+
+
+# (name, tokens, parents): every tree of the table is verified against the made-up target at many seeds
+VANILLA_TREES = [
+    ("root-only", [3], [-1]),
+    ("chain", [3, 0, 1, 2, 4], [-1, 0, 1, 2, 3]),
+    ("argmax-chain", None, [-1, 0, 1, 2, 3]),            # tokens: the target's argmax after each node
+    ("branchy", [3, 0, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2, 2]),
+    ("wide", [3, 0, 1, 2, 4, 5, 6], [-1, 0, 0, 0, 0, 0, 0]),
+    ("repeated-siblings", [3, 1, 1, 2, 2], [-1, 0, 0, 1, 2]),
+    ("every-token-then-one", [3] + list(range(7)) + list(range(7)), [-1] + [0] * 7 + list(range(1, 8))),
+]
+
+
+@pytest.mark.parametrize("name,tokens,parents", VANILLA_TREES, ids=[t[0] for t in VANILLA_TREES])
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
+                                 SamplingConfig(temperature=1.2, top_p=0.6)], ids=str)
+def test_sampled_verdict_is_what_vanilla_draws(name, tokens, parents, cfg):
+    """Whatever the tree, a cycle emits exactly the tokens vanilla sampling draws with the same seed at the same
+    positions: the accepted path is the longest run of them the tree holds, then the next draw."""
+    prompt = (5, 2)
+    if tokens is None:
+        tokens = [3]
+        for _ in parents[1:]:
+            tokens.append(int(_target(prompt + tuple(tokens)).argmax()))
+    tree = _tree(tokens, parents)
+    accepted_some = 0
+    for seed in range(40):
+        c, position = replace(cfg, seed=seed), 3 + seed % 5
+        prefixes = [prompt + tuple(tokens[n] for n in _path(tree, i)) for i in range(tree.size)]
+        logits = torch.stack([_target(pre) for pre in prefixes])
+        v = verify_sampling(tree, logits, c, position)
+        emitted = tree.tokens[v.nodes[1:]].tolist() + [v.next_token]
+        assert emitted == _vanilla(prompt + (tokens[0],), c, position, len(emitted)), (name, seed)
+        # ... and no longer run of them was in the tree: the next vanilla draw is not a child of the last node
+        assert not any(tokens[k] == v.next_token for k in range(tree.size) if parents[k] == int(v.nodes[-1]))
+        accepted_some += v.num_accepted > 0
+        if name == "every-token-then-one":      # every token is a child of the root: one is always accepted
+            assert v.num_accepted >= 1
+    if name == "argmax-chain":
+        assert accepted_some > 0, "no draft token was ever accepted: the table tests nothing"
+
+
+def _path(tree, node):
+    """Node indices root -> node, root included."""
+    out = [node]
+    while int(tree.parents[out[-1]]) >= 0:
+        out.append(int(tree.parents[out[-1]]))
+    return out[::-1]
+
+
 # ---------------------------------------------------------------- sampling: edge cases
 
 def _tree(tokens, parents):
@@ -198,52 +268,49 @@ def test_certain_child_always_accepted():
     # top_k = 1 leaves p = 1 on the drafted tokens: the whole chain is accepted and the bonus is the target's top
     tree = _tree([9, 1, 2], [-1, 0, 1])
     logits = _logits_from_argmax([1, 2, 5], 3)
-    cfg = SamplingConfig(temperature=1.0, top_k=1)
     for seed in range(200):
-        v = verify_sampling(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        v = verify_sampling(tree, logits, SamplingConfig(temperature=1.0, top_k=1, seed=seed), seed % 7)
         assert v.nodes.tolist() == [0, 1, 2] and v.next_token == 5
 
 
 def test_zero_probability_child_never_accepted():
     tree = _tree([9, 1, 2], [-1, 0, 0])
     logits = _logits_from_argmax([3, 0, 0], 3)  # top_k = 1 -> only token 3 has mass after the root
-    cfg = SamplingConfig(temperature=1.0, top_k=1)
     for seed in range(200):
-        v = verify_sampling(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        v = verify_sampling(tree, logits, SamplingConfig(temperature=1.0, top_k=1, seed=seed), 0)
         assert v.nodes.tolist() == [0] and v.next_token == 3
 
 
-def test_children_holding_all_mass_never_leave_empty_residual():
-    # top_k = 2 puts all mass on tokens 1 and 2, both drafted: one of them is always accepted, no NaN residual
+def test_children_holding_all_mass_always_accept_one():
+    # top_k = 2 puts all mass on tokens 1 and 2, both drafted: one of them is always accepted
     tree = _tree([9, 1, 2], [-1, 0, 0])
     logits = torch.tensor([[0.0, 2.0, 1.9, -1.0, -1.0]] * 3)
-    cfg = SamplingConfig(temperature=1.0, top_k=2)
     seen = set()
     for seed in range(500):
-        v = verify_sampling(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        v = verify_sampling(tree, logits, SamplingConfig(temperature=1.0, top_k=2, seed=seed), 0)
         assert v.num_accepted == 1
         seen.add(int(v.nodes[1]))
     assert seen == {1, 2}
 
 
-def test_duplicate_child_token_tried_once():
-    # nodes 1 and 2 both carry token 1; only the first can be accepted (the second has zero residual mass)
+def test_duplicate_child_token_first_one_wins():
+    # nodes 1 and 2 both carry token 1; the walk follows the first
     tree = _tree([9, 1, 1, 3], [-1, 0, 0, 2])
     logits = torch.zeros(4, 5)
     for seed in range(300):
-        v = verify_sampling(tree, logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(seed))
+        v = verify_sampling(tree, logits, SamplingConfig(temperature=1.0, seed=seed), 0)
         assert 2 not in v.nodes.tolist()
         if v.num_accepted == 0:
             assert v.next_token != 1
 
 
 def test_sampling_is_seeded():
-    cfg = SamplingConfig(temperature=0.9, top_p=0.95)
     logits = torch.randn(DIST_TREE.size, V5, generator=torch.Generator().manual_seed(4))
     runs = []
     for seed in range(30):
-        a = verify_sampling(DIST_TREE, logits, cfg, torch.Generator().manual_seed(seed))
-        b = verify_sampling(DIST_TREE, logits, cfg, torch.Generator().manual_seed(seed))
+        cfg = SamplingConfig(temperature=0.9, top_p=0.95, seed=seed)
+        a = verify_sampling(DIST_TREE, logits, cfg, 11)
+        b = verify_sampling(DIST_TREE, logits, cfg, 11)
         assert torch.equal(a.nodes, b.nodes) and a.next_token == b.next_token
         runs.append((tuple(a.nodes.tolist()), a.next_token))
     assert len(set(runs)) > 1  # the seed matters
@@ -251,4 +318,4 @@ def test_sampling_is_seeded():
 
 def test_sampling_rejects_greedy_config():
     with pytest.raises(ValueError):
-        verify_sampling(DIST_TREE, DIST_LOGITS, SamplingConfig(temperature=0.0), torch.Generator())
+        verify_sampling(DIST_TREE, DIST_LOGITS, SamplingConfig(temperature=0.0), 0)

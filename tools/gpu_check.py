@@ -596,15 +596,15 @@ class Check:
 
     # ---- check (bf16 divergences with margins)
     def phase_check(self):
-        from eaglex.runtime.equivalence import check_greedy, format_greedy
+        from eaglex.runtime.equivalence import check_identical, format_identical
         from eaglex.runtime.types import TreeConfig
 
         m = self.models or self._need_models()
         tree = m.get("best") or TreeConfig.parse("dynamic:16/6/4")
         max_new = 24 if self.quick else 96
-        rows = check_greedy(m["backend"], tree, m["prompts"], max_new)
+        rows = check_identical(m["backend"], tree, m["prompts"], max_new)
         threads = ["--threads", "1"] if not self.cuda else []
-        text = format_greedy(rows, f"eagle3, tree {tree}, {self.dtype} on {self.device}")
+        text = format_identical(rows, f"eagle3, tree {tree}, {self.dtype} on {self.device}")
         divergences = [{"prompt": r.index, "at": r.divergence, "margin": r.margin} for r in rows if not r.identical]
         # the committed tiny model through the CLI, as a user runs it
         prompts = Path(self.args.work) / "tiny-prompts.jsonl"
