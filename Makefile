@@ -55,10 +55,11 @@ SMOL          := models/smollm2-135m
 SMOL_GGUF      = $(shell $(BIN)/python -c "from eaglex.presets import preset_target_file as f; print(f('smollm2-135m'))")
 SMOL_QUANT    ?= int8
 SMOL_CAL      ?= build/smollm2-fp8
-SMOL_PROMPTS  ?= 16
-# The held-out prompts: the built-in set's template split, or SMOL_PROMPT_FILE=$(SMOL)/heldout_honest.jsonl for the
-# hand-written set (SMOL_PROMPTS=0: all 42), whose prompts share no template with training.
-SMOL_PROMPT_FILE ?= $(SMOL)/prompts.jsonl
+SMOL_PROMPTS  ?= 24
+# The held-out prompts: the hand-written set (no template shared with training; its first 24 cover coding, code to
+# explain, explanations, advice and writing), or SMOL_PROMPT_FILE=$(SMOL)/prompts.jsonl SMOL_PROMPTS=16 for the
+# built-in set's template split.
+SMOL_PROMPT_FILE ?= $(SMOL)/heldout_honest.jsonl
 SMOL_TOKENS   ?= 128
 SMOL_TREES    ?= auto
 SMOL_OUT      ?= build/bench-smollm2.json
