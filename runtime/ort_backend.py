@@ -35,7 +35,7 @@ from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend
 from .ort_batch import OrtBatchBackend
 from .ort_cache import NP_DTYPES, OrtKVCache
-from .ort_session import open_session, provider_device
+from .ort_session import open_session, outputs, provider_device
 
 
 def kv_names(layers: int) -> list[str]:
@@ -49,12 +49,6 @@ def _ov(a: np.ndarray) -> ort.OrtValue:
 
 def _torch(v) -> torch.Tensor:
     return torch.from_numpy(v.numpy())              # zero copy; the array keeps the OrtValue alive
-
-
-def outputs(io: ort.IOBinding):
-    """The bound outputs of the last run, as ORT's own values: the Python wrapper's get_outputs wraps every one,
-    the KV buffers' too (~50 us a step for a 30-layer target), where the callers read the first few."""
-    return io._iobinding.get_outputs()
 
 
 def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):

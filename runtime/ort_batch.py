@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .batch_backend import SlotBackend, SlotCache
+from .ort_session import outputs
 
 
 class OrtBatchBackend(SlotBackend):
@@ -72,7 +73,7 @@ class OrtBatchBackend(SlotBackend):
             io.bind_output(name)
         keep, P = self._bind(io, self.tcache, rows, input_ids, position_ids, mask, last_only)
         o.target_sess.run_with_iobinding(io)
-        out = io.get_outputs()
+        out = outputs(io)
         logits = out[0].numpy()
         feats = out[1].numpy() if o.features else np.zeros((input_ids.shape[0], N, 0), np.float32)
         self._store(self.tcache, rows, keep, P, N)
@@ -93,6 +94,7 @@ class OrtBatchBackend(SlotBackend):
         top = np.array(top_k, dtype=np.int64)
         io.bind_cpu_input("top_k", top)
         o.draft_sess.run_with_iobinding(io)
-        h_out, logp, ids = (v.numpy() for v in io.get_outputs()[:3])
+        out = outputs(io)
+        h_out, logp, ids = (out[i].numpy() for i in range(3))
         self._store(self.dcache, rows, keep, P, N)
         return torch.from_numpy(h_out), torch.from_numpy(logp), torch.from_numpy(ids)

@@ -130,3 +130,9 @@ def open_session(path: Path, engine_id: str, graph: str, providers: list | None 
                          f"{meta.get('eaglex.graph')}; this engine is {engine_id}): "
                          "rebuild with `eaglex build --force`")
     return sess
+
+
+def outputs(io: ort.IOBinding):
+    """The bound outputs of the last run, as ORT's own values: the Python wrapper's get_outputs wraps every one,
+    the KV buffers' too (~50 us a step for a 30-layer target), where the callers read the first few."""
+    return io._iobinding.get_outputs()
