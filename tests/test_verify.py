@@ -236,7 +236,9 @@ def test_sampled_verdict_is_what_vanilla_draws(name, tokens, parents, cfg):
     accepted_some = 0
     for seed in range(40):
         c, position = replace(cfg, seed=seed), 3 + seed % 5
-        prefixes = [prompt + tuple(tokens[n] for n in _path(tree, i)) for i in range(tree.size)]
+        # mask[i]: node i and its ancestors, root first (parents come before their children)
+        prefixes = [prompt + tuple(tokens[n] for n in tree.mask[i].nonzero().flatten().tolist())
+                    for i in range(tree.size)]
         logits = torch.stack([_target(pre) for pre in prefixes])
         v = verify_sampling(tree, logits, c, position)
         emitted = tree.tokens[v.nodes[1:]].tolist() + [v.next_token]
@@ -248,14 +250,6 @@ def test_sampled_verdict_is_what_vanilla_draws(name, tokens, parents, cfg):
             assert v.num_accepted >= 1
     if name == "argmax-chain":
         assert accepted_some > 0, "no draft token was ever accepted: the table tests nothing"
-
-
-def _path(tree, node):
-    """Node indices root -> node, root included."""
-    out = [node]
-    while int(tree.parents[out[-1]]) >= 0:
-        out.append(int(tree.parents[out[-1]]))
-    return out[::-1]
 
 
 # ---------------------------------------------------------------- sampling: edge cases
