@@ -31,7 +31,7 @@ from .device import device_of, resolve_device
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
 from .manifest import head_method as manifest_head_method
-from .sampling import derive_seed
+from .sampling import prompt_sampling
 from .types import SamplingConfig, TreeConfig
 
 
@@ -95,8 +95,7 @@ class Engine:
             return self._generate_batched(prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch)
         results = []
         for i, ids in enumerate(prompts):
-            seed = seeds[i] if seeds is not None and seeds[i] is not None else derive_seed(sampling.seed, i)
-            gen = self.generator(replace(sampling, seed=seed))
+            gen = self.generator(prompt_sampling(sampling, i, seeds[i] if seeds is not None else None))
             emit = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens else None
             try:
                 results.append(gen.generate(ids, max_new_tokens, emit, stop))
@@ -153,10 +152,10 @@ class Engine:
         gen = self.batcher(batch, context=max(len(p) for p in prompts) + max_new_tokens if prompts else None)
         reqs = []
         for i, ids in enumerate(prompts):
-            seed = seeds[i] if seeds is not None and seeds[i] is not None else derive_seed(sampling.seed, i)
+            cfg = prompt_sampling(sampling, i, seeds[i] if seeds is not None else None)
             emit = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens else None
             try:
-                reqs.append(gen.submit(ids, max_new_tokens, replace(sampling, seed=seed), emit, stop))
+                reqs.append(gen.submit(ids, max_new_tokens, cfg, emit, stop))
             except ValueError as e:
                 raise ModelError(f"prompt {i}: {e}") from None
         gen.run()

@@ -11,13 +11,13 @@ the target assigns.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from .backend import ONE, Backend
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
-from .sampling import derive_seed, logits_to_probs
+from .sampling import derive_seed, logits_to_probs, prompt_sampling
 from .types import SamplingConfig, TreeConfig
 
 
@@ -52,11 +52,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def check_identical(backend: Backend, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int,
                     sampling: SamplingConfig = SamplingConfig()) -> list[IdentityRow]:
-    """Each prompt decoded by vanilla and by speculative decoding, greedy or sampled (prompt i with the seed
-    derive_seed(sampling.seed, i), as Engine.generate gives it), compared token for token."""
+    """Each prompt decoded by vanilla and by speculative decoding, greedy or sampled (prompt i with its stream
+    prompt_sampling(sampling, i), as Engine.generate gives it), compared token for token."""
     rows = []
     for i, p in enumerate(prompts):
-        cfg = sampling if sampling.greedy else replace(sampling, seed=derive_seed(sampling.seed, i))
+        cfg = prompt_sampling(sampling, i)
         v = VanillaGenerator(backend, cfg).generate(p, max_new_tokens)
         s = SpeculativeGenerator(backend, tree, cfg).generate(p, max_new_tokens)
         div = first_divergence(v.output_ids, s.output_ids)

@@ -13,6 +13,8 @@ Pure functions: tensors in, tensors out.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -93,3 +95,9 @@ def derive_seed(seed: int, index: int) -> int:
     run s+1's prompt 0 draw the same samples). 63 bits: what torch.Generator.manual_seed takes."""
     state = np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0]
     return int(state) >> 1
+
+
+def prompt_sampling(sampling: SamplingConfig, index: int, seed: int | None = None) -> SamplingConfig:
+    """Prompt `index`'s settings in a run under `sampling`: its own `seed` when given, else the stream
+    derive_seed(sampling.seed, index), so that a prompt's output never depends on the other prompts."""
+    return replace(sampling, seed=seed if seed is not None else derive_seed(sampling.seed, index))
