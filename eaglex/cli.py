@@ -169,16 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
     bld.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     bld.add_argument("--force", action="store_true", help="replace an existing engine folder")
     q = bld.add_argument_group("quantization")
-    q.add_argument("--quant", choices=("fp8", "int8", "int4"),
+    q.add_argument("--quant", choices=("fp8", "int8", "int4", "w8a8"),
                    help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime; exact with chain trees, one request at "
                         "a time) or the ModelOpt FP8 checkpoint (tensorrt-llm); int8 / int4: MatMulNBits with int8 "
-                        "activations and row-independent attention, the fast quantized CPU path (onnxruntime; "
-                        "exact with any tree and in batches)")
+                        "activations and row-independent attention, the quantized CPU path with int8's quality "
+                        "(onnxruntime; exact with any tree and in batches); w8a8: SmoothQuant int8 weights and "
+                        "per-row int8 activations on the integer GEMM, the fastest CPU engine, verification of a "
+                        "few rows at about one row's cost, some quality lost (docs/results.md; exact as int8)")
     q.add_argument("--calibrated", type=Path, help="FP8 checkpoint written by `eaglex calibrate` (for --quant fp8)")
     q.add_argument("--quant-draft", action="store_true",
                    help="quantize the draft graphs too (onnxruntime); alone: int8 draft, float target (cheaper "
                         "drafting, output unchanged: the float target decides every token)")
     q.add_argument("--calibrated-draft", type=Path, help="FP8 draft from `eaglex calibrate --quant-draft`")
+    q.add_argument("--calibration-data", default="auto",
+                   help="w8a8: text its activation ranges are measured on (as `eaglex calibrate --data`: auto, "
+                        "builtin-chat, builtin, hf:NAME, or a JSONL of prompts / input_ids; default auto)")
     tl = bld.add_argument_group("tensorrt-llm")
     tl.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs per pipeline stage)")
     tl.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -553,8 +558,8 @@ def cmd_build(args) -> int:
         _refuse_retired(args, BUNDLE_RETIRED)
         args.tree = _tree(args.tree)
         if args.quant not in (None, "fp8") or args.quant_draft:
-            raise ModelError("TensorRT-LLM bundles take --quant fp8 (target only); int8 and --quant-draft are "
-                             "for onnxruntime engines")
+            raise ModelError("TensorRT-LLM bundles take --quant fp8 (target only); int8, int4, w8a8 and "
+                             "--quant-draft are for onnxruntime engines")
         if args.tree == "auto" or args.tree.kind in ("static", "cost"):
             raise ModelError("TensorRT-LLM bundles take --tree chain:N or dynamic:TOTAL/DEPTH/TOPK")
         dynamic = args.tree.kind == "dynamic"
@@ -573,7 +578,7 @@ def cmd_build(args) -> int:
     if args.quant is not None:
         from eaglex.engines.quantize import quantize_engine
         manifest = quantize_engine(args.out, args.quant, args.calibrated, draft=args.quant_draft,
-                                   calibrated_draft_dir=args.calibrated_draft)
+                                   calibrated_draft_dir=args.calibrated_draft, data=args.calibration_data)
     if args.quant is None and args.quant_draft:
         from eaglex.engines.quantize import quantize_draft
         manifest = quantize_draft(args.out)

@@ -1,4 +1,4 @@
-"""`eaglex build --quant fp8|int8` (or `--quant-draft` alone): rewrite a built float engine folder into a quantized one.
+"""`eaglex build --quant fp8|int8|int4|w8a8` (or `--quant-draft` alone): rewrite a built float engine folder into a quantized one.
 
 The float engine is built first (engines/build.py, with its own parity check against torch); this module then
 rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py:
@@ -11,10 +11,18 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
   (export/row_attention.py; checked here for the target's heads), so a row's logits are bit-identical however many
   rows share the call, wherever its keys sit in the cache and whatever it is batched with: the manifest's
   `exactness` records `row_independent_keys` (calls seeing up to that many keys) and the runtime keeps no rule but
-  that bound (runtime/ort_backend.py). FP8 engines keep the exactness rules (EXACT_RULES below): target calls of
-  two rows or more, a KV cache without holes, chain trees, one request at a time.
+  that bound (runtime/ort_backend.py).
+- w8a8: SmoothQuant (export/quantize.rowwise_int8): int8 weights per output channel, int8 activations per row, on
+  ONNX Runtime's integer GEMM, smoothed by activation ranges measured on the float target (calibration/smooth.py,
+  calibration text as `eaglex calibrate --data`). Rows are independent by construction, so the same contract as
+  int8; the GEMM reads each weight once for all rows, so verifying a few rows costs about one row's step (SmolLM2:
+  t(4)/t(1) ~1.2 against int8's ~1.5) and one-row steps are faster too; top-1 agreement with the float model is lower
+  than int8's (docs/results.md).
+FP8 engines keep the exactness rules (EXACT_RULES below): target calls of two rows or more, a KV cache without holes,
+chain trees, one request at a time.
 
-The draft head stays float unless asked (`draft=True`): it is small, and its cost is in the number of calls.
+The draft head stays float unless asked (`draft=True`; int8 MatMulNBits for int8 and w8a8 engines): it is small,
+and its cost is in the number of calls.
 quantize_draft rewrites the draft graphs alone (int8) and leaves the target float: the draft only proposes tokens
 and the float target decides every one, so the output stays identical to float vanilla decoding, while drafting
 costs less (SmolLM2, chain:2: 2.5 -> 1.7 ms per cycle, same tau). `eaglex engine` builds its engines so.
@@ -41,7 +49,7 @@ from eaglex.models.target import causal_mask
 
 from eaglex.runtime.manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
 
-QUANT_METHODS = ("fp8", "int8", "int4")
+QUANT_METHODS = ("fp8", "int8", "int4", "w8a8")
 NBITS = {"int8": 8, "int4": 4}
 _ROWS = "; attention row-independent (FusedMatMul decomposition)"
 FORMATS = {
@@ -49,9 +57,10 @@ FORMATS = {
            "activation Q/DQ; lm_head and embeddings float",
     "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
     "int4": "com.microsoft::MatMulNBits bits=4 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
+    "w8a8": "MatMulInteger uint8 x int8: weights int8 per output channel, activations int8 per row (dynamic)" + _ROWS,
 }
 # Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
-EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": (), "int4": ()}
+EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": (), "int4": (), "w8a8": ()}
 # How the runtime keeps a quantized engine's speculative output bit-identical to its vanilla output
 # (export/quantize.py says why): int8 or FP8 activations amplify the float rounding differences between a one-row
 # and a many-row Attention call, between keys at different indices, and between rows padded together in a batch
@@ -59,14 +68,15 @@ EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": (), "int4": ()}
 EXACT_RULES = {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
 # MatMulNBits engines with row-independent attention: no rule while a call sees at most this many keys.
 ROW_INDEPENDENT = {"row_independent_keys": ROW_INDEPENDENT_KEYS}
-EXACTNESS = {"int8": ROW_INDEPENDENT, "int4": ROW_INDEPENDENT, "fp8": EXACT_RULES}
+EXACTNESS = {"int8": ROW_INDEPENDENT, "int4": ROW_INDEPENDENT, "w8a8": ROW_INDEPENDENT, "fp8": EXACT_RULES}
 # A ModelOpt-exported EAGLE-3 draft names its layer layers.0.*, the engine's graph midlayer.*.
 DRAFT_PREFIXES = {"layers.0.": "midlayer."}
 
 
 def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool = False, calibrated_draft_dir=None,
-                    progress: bool = True) -> dict:
-    """Quantize the engine folder `engine_dir` in place; returns its new manifest. Bad input: one-line ModelError."""
+                    data: str = "auto", progress: bool = True) -> dict:
+    """Quantize the engine folder `engine_dir` in place; returns its new manifest. `data`: w8a8's calibration text
+    (calibration/data.py's sources). Bad input: one-line ModelError."""
     t0 = time.perf_counter()
     engine = Path(engine_dir)
     if quant not in QUANT_METHODS:
@@ -86,7 +96,7 @@ def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool 
                          "`eaglex build --force` first")
     verify_files(engine, m)                          # never quantize a corrupt engine
     graphs = ["target"] + (_draft_graphs(m) if draft else [])
-    scales, source = _scales(quant, calibrated_dir, calibrated_draft_dir, draft)
+    scales, source = _scales(quant, calibrated_dir, calibrated_draft_dir, draft, m, data, progress)
 
     spec = m["target"]["spec"]
     heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
@@ -168,8 +178,21 @@ def _rewrite(engine: Path, m: dict, graphs: list[str], desc: str, quantize, fini
     return manifest
 
 
-def _scales(quant, calibrated_dir, calibrated_draft_dir, draft) -> tuple[dict, dict]:
-    """{"target": scales, "draft": scales} for fp8 (empty for int8) and the manifest's record of their source."""
+def _scales(quant, calibrated_dir, calibrated_draft_dir, draft, m: dict, data: str, progress: bool
+            ) -> tuple[dict, dict]:
+    """{"target": scales, "draft": scales} for fp8, {"target": activation maxima} for w8a8 (empty for int8) and
+    the manifest's record of their source."""
+    if quant == "w8a8":
+        if calibrated_dir is not None:
+            raise ModelError("--calibrated is for --quant fp8; w8a8 measures its activation ranges on the target")
+        from eaglex.calibration.smooth import SMOOTH_SAMPLES, SMOOTH_SEQ_LEN, activation_max
+        target = Path(m["sources"]["target"]["path"])
+        if not (target / "config.json").is_file():
+            raise ModelError(f"w8a8 measures activation ranges on the float target, and {target} (where this "
+                             "engine was built from) is gone: rebuild with `eaglex build --quant w8a8`")
+        return ({"target": activation_max(target, SMOOTH_SAMPLES, SMOOTH_SEQ_LEN, data, progress)},
+                {"calibration": {"method": "SmoothQuant activation maxima", "data": data,
+                                 "samples": SMOOTH_SAMPLES, "seq_len": SMOOTH_SEQ_LEN}})
     if quant != "fp8":
         if calibrated_dir is not None:
             raise ModelError(f"--calibrated is for --quant fp8; {quant} quantization needs no calibration")
@@ -203,16 +226,20 @@ def _source(folder, qc: dict) -> dict:
 def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, int, int] | None):
     """`heads` (query heads, KV heads, head dim) for the target graph: its attention is made row-independent. The
     draft's stays fused (faster): the draft only proposes, its numerics never reach the output."""
-    from eaglex.export.quantize import fp8_qdq, nbits_weight_only
+    from eaglex.export.quantize import fp8_qdq, nbits_weight_only, rowwise_int8
     if quant == "fp8":
         return fp8_qdq(src, dst, scales, exclude=EXCLUDE["fp8"])
+    if quant == "w8a8" and heads is None:       # the draft: only proposes, int8 weight-only suits it
+        return nbits_weight_only(src, dst, 8, EXCLUDE["int8"])
+    if quant == "w8a8":
+        return rowwise_int8(src, dst, EXCLUDE[quant], row_attention=heads, act_max=scales)
     return nbits_weight_only(src, dst, NBITS[quant], EXCLUDE[quant], row_attention=heads)
 
 
 def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: dict, parity: dict,
                       draft: bool) -> dict:
     out = _with_files(m, folder, reports)
-    out["dtypes"] = dict(m["dtypes"], weights={"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4"}[quant])
+    out["dtypes"] = dict(m["dtypes"], weights={"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4", "w8a8": "int8"}[quant])
     out["quant"] = {"method": quant, "format": FORMATS[quant], "draft_quantized": draft,
                     "graphs": {g: r.to_json() for g, r in reports.items()},
                     "bytes_before": sum(r.bytes_before for r in reports.values()),

@@ -1,4 +1,5 @@
-"""Post-processing of exported float graphs: FP8 Q/DQ from calibrated scales, and int8 weight-only MatMulNBits.
+"""Post-processing of exported float graphs: FP8 Q/DQ from calibrated scales, int8 weight-only MatMulNBits, and w8a8
+(int8 weights and per-row int8 activations on MatMulInteger, SmoothQuant-smoothed: rowwise_int8).
 
 Both passes rewrite an ONNX file produced by `export/onnx_export.py`, where every nn.Linear became
 `MatMul(x, W)` over an initializer W stored [in, out] (export/layout.py) and named after the torch module path:
@@ -279,6 +280,130 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
         raise ModelError(f"{onnx_path.name}: MatMulNBits replaced {len(quantized)} of {nodes} MatMuls")
     files = _save(out, out_path)
     return QuantReport(f"int{bits}", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+
+
+# ------------------------------------------------------------------------------------------------------ w8a8
+
+W8A8_ZERO = 128          # activations as uint8 around this zero point: MLAS's fast U8S8 integer GEMM
+SMOOTH_ALPHA = 0.5       # SmoothQuant's migration strength: half of an input channel's range moves to the weights
+
+
+def rowwise_int8(onnx_path, out_path, exclude: tuple[str, ...] = (),
+                 row_attention: tuple[int, int, int] | None = None, act_max: dict[str, np.ndarray] | None = None,
+                 alpha: float = SMOOTH_ALPHA) -> QuantReport:
+    """Every MatMul with a constant 2-D weight becomes an integer GEMM: weights int8 per output channel (symmetric,
+    scale max|w| / 127), activations int8 per row (scale max|x| / 127 over the row, computed in the graph), the
+    product summed exactly in int32 by MatMulInteger (uint8 activations around zero point 128 against int8 weights:
+    MLAS's U8S8 kernel, AMX or VNNI where the CPU has them) and scaled back to float by the row's and the column's
+    scales. A row's scale is its own, its integer dot products are exact, and the rescale is elementwise: every
+    row's output is bit-identical whatever the other rows of the call, by construction. The kernel reads each
+    weight once for all rows of a call, so a verification of a few rows costs about one row's step.
+
+    `act_max` {module name: [K] max |input|} (calibration/smooth.py) smooths each quantized input first: channel j
+    is multiplied by 1 / s_j in the graph (elementwise: rows stay independent) and the weight's row j by s_j,
+    s_j = act_max_j^alpha / max|W_j|^(1 - alpha); MatMuls that share an input share its s (their weights' maxima
+    together). Modules matching a regex in `exclude` stay float."""
+    onnx_path, out_path = Path(onnx_path), Path(out_path)
+    before = _bytes(_files_of(onnx_path))
+    model = _load(onnx_path)
+    if row_attention is not None:
+        try:
+            check_row_independent(*row_attention)
+        except ValueError as e:
+            raise ModelError(f"{onnx_path.name}: {e}") from None
+        if any(n.op_type == "Attention" for n in model.graph.node):
+            raise ModelError(f"{onnx_path.name} has ONNX Runtime's fused Attention, whose rows depend on the call: "
+                             "rebuild the float engine with this eaglex (`eaglex build --force`)")
+    apart = {w.name for _, w in _weight_matmuls(model.graph)
+             if any(re.search(p, module_name(w.name) or w.name) for p in exclude)}
+    fuse_sibling_matmuls(model, keep=apart)
+    g = model.graph
+    consts = [numpy_helper.from_array(np.array([-1], np.int64), "w8a8.axis"),
+              numpy_helper.from_array(np.array(127.0, np.float32), "w8a8.qmax"),
+              numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), "w8a8.tiny"),
+              numpy_helper.from_array(np.array(float(W8A8_ZERO), np.float32), "w8a8.zero_f"),
+              numpy_helper.from_array(np.array(W8A8_ZERO, np.uint8), "w8a8.zero")]
+    quantized_inputs: dict[str, tuple[str, str]] = {}       # activation -> (its uint8 rows, its row scales)
+    new_nodes, candidates, skipped, drop = [], [], [], set()
+    pairs = {n.output[0]: w for n, w in _weight_matmuls(g)}
+    smooth = _smoothing(g, pairs, apart, act_max, alpha) if act_max else {}
+    for node in g.node:
+        w = pairs.get(node.output[0]) if node.op_type == "MatMul" else None
+        if w is None:
+            new_nodes.append(node)
+            continue
+        mods = [module_name(part) or part for part in w.name.split(FUSED)]
+        if w.name in apart:
+            skipped += mods
+            new_nodes.append(node)
+            continue
+        candidates += mods
+        x, y, tag = node.input[0], node.output[0], w.name
+        if x not in quantized_inputs:
+            q = f"{x}.w8a8"
+            if x in smooth:
+                consts.append(numpy_helper.from_array((1.0 / smooth[x]).astype(np.float32), f"{q}.smooth"))
+                new_nodes.append(helper.make_node("Mul", [x, f"{q}.smooth"], [f"{q}.smoothed"]))
+                x_in = f"{q}.smoothed"
+            else:
+                x_in = x
+            new_nodes += [
+                helper.make_node("Abs", [x_in], [f"{q}.abs"]),
+                helper.make_node("ReduceMax", [f"{q}.abs", "w8a8.axis"], [f"{q}.max"], keepdims=1),
+                helper.make_node("Div", [f"{q}.max", "w8a8.qmax"], [f"{q}.s0"]),
+                helper.make_node("Max", [f"{q}.s0", "w8a8.tiny"], [f"{q}.scale"]),
+                helper.make_node("Div", [x_in, f"{q}.scale"], [f"{q}.div"]),
+                helper.make_node("Round", [f"{q}.div"], [f"{q}.round"]),
+                helper.make_node("Add", [f"{q}.round", "w8a8.zero_f"], [f"{q}.shift"]),
+                helper.make_node("Cast", [f"{q}.shift"], [f"{q}.u8"], to=TensorProto.UINT8)]
+            quantized_inputs[x] = (f"{q}.u8", f"{q}.scale")
+        xq, xs = quantized_inputs[x]
+        if w.name not in drop:                      # a weight some MatMuls share is quantized once
+            W = numpy_helper.to_array(w).astype(np.float32)
+            if x in smooth:
+                W = W * smooth[x][:, None]
+            sw = np.maximum(np.abs(W).max(axis=0) / 127.0, np.finfo(np.float32).tiny).astype(np.float32)
+            Wq = np.clip(np.round(W / sw), -127, 127).astype(np.int8)
+            consts += [numpy_helper.from_array(Wq, f"{tag}.int8"), numpy_helper.from_array(sw, f"{tag}.scale")]
+            drop.add(w.name)
+        new_nodes += [
+            helper.make_node("MatMulInteger", [xq, f"{tag}.int8", "w8a8.zero"], [f"{y}.int32"]),
+            helper.make_node("Cast", [f"{y}.int32"], [f"{y}.f32"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", [f"{y}.f32", xs], [f"{y}.rows"]),
+            helper.make_node("Mul", [f"{y}.rows", f"{tag}.scale"], [y])]
+    if not candidates:
+        raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
+    del g.node[:]
+    g.node.extend(new_nodes)
+    keep = [t for t in g.initializer if t.name not in drop]
+    del g.initializer[:]
+    g.initializer.extend(keep + consts)
+    files = _save(model, out_path)
+    return QuantReport("w8a8", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+
+
+def _smoothing(g, pairs, apart, act_max, alpha) -> dict[str, np.ndarray]:
+    """{activation: [K] s} for every quantized MatMul input whose modules all have calibrated maxima."""
+    inits = {t.name: t for t in g.initializer}
+    by_input: dict[str, list] = {}
+    uses: dict[str, int] = {}
+    for node in g.node:
+        w = pairs.get(node.output[0]) if node.op_type == "MatMul" else None
+        if w is not None and w.name not in apart:
+            by_input.setdefault(node.input[0], []).append(w)
+            uses[w.name] = uses.get(w.name, 0) + 1
+    out = {}
+    for x, weights in by_input.items():
+        if any(uses[w.name] > 1 for w in weights):      # a weight read elsewhere too: one s would not fit both
+            continue
+        mods = [module_name(part) or part for w in weights for part in w.name.split(FUSED)]
+        if not all(m in act_max for m in mods):
+            continue
+        a = np.max([act_max[m] for m in mods], axis=0).astype(np.float64)
+        wmax = np.max([np.abs(numpy_helper.to_array(inits[w.name])).max(axis=1) for w in weights], axis=0)
+        s = np.power(np.maximum(a, 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
+        out[x] = np.clip(s, 1e-5, 1e5).astype(np.float32)
+    return out
 
 
 @contextlib.contextmanager

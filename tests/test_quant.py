@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
@@ -407,6 +408,81 @@ def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, models, pr
     plain = _plain_target_graph(models["llama"], tmp_path / "plain")
     q.nbits_weight_only(plain, tmp_path / "fused.onnx", bits)
     assert _row_identity_table(_session(tmp_path / "fused.onnx"), spec, ids) != []
+
+
+def _act_max(graph_path, seed=0) -> dict[str, np.ndarray]:
+    """Made-up positive activation maxima for every module of a graph, one channel in eight an outlier."""
+    rng = np.random.default_rng(seed)
+    model = onnx.load(str(graph_path))
+    out = {}
+    for node, w in q._weight_matmuls(model.graph):
+        a = rng.uniform(0.1, 1.0, w.dims[0]).astype(np.float32)
+        a[::8] *= 40
+        out[q.module_name(w.name)] = a
+    return out
+
+
+def test_w8a8_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, tmp_path):
+    """w8a8 (per-row int8 activations, smoothed, on MatMulInteger): the same table as MatMulNBits engines."""
+    spec = read_manifest(float_engine)["target"]["spec"]
+    ids = np.array([t for p in prompts for t in p][:72], dtype=np.int64)
+    heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
+    report = q.rowwise_int8(float_engine / "target.onnx", tmp_path / "rows.onnx", row_attention=heads,
+                            act_max=_act_max(float_engine / "target.onnx"))
+    assert report.method == "w8a8" and not report.skipped
+    out = onnx.load(str(tmp_path / "rows.onnx"))
+    assert not q._weight_matmuls(out.graph) and any(n.op_type == "MatMulInteger" for n in out.graph.node)
+    assert _row_identity_table(_session(tmp_path / "rows.onnx"), spec, ids) == []
+
+
+def _one_matmul(path, W):
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "layer.weight_t"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", W.shape[0]])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", W.shape[1]])],
+                          [numpy_helper.from_array(W, "layer.weight_t")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_w8a8_matmul_error_and_smoothing(tmp_path, smoothed):
+    """One MatMul through rowwise_int8 against float: close, rows independent of the call, and an outlier
+    channel (x100 on one input channel, as LLM activations have) costs the small channels their precision unless
+    smoothed: with SmoothQuant's s the error drops several-fold."""
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    x[:, 5] *= 100
+    src = _one_matmul(tmp_path / "mm.onnx", W)
+    act = {"layer": np.abs(x).max(0)} if smoothed else None
+    q.rowwise_int8(src, tmp_path / "q.onnx", act_max=act)
+    sess = _session(tmp_path / "q.onnx")
+    y = sess.run(None, {"x": x})[0]
+    for i in range(6):                                   # each row alone: the same bits
+        assert np.array_equal(sess.run(None, {"x": x[i:i + 1]})[0], y[i:i + 1])
+    err = np.abs(y - x @ W).max() / np.abs(x @ W).max()
+    q.rowwise_int8(src, tmp_path / "p.onnx")
+    plain = _session(tmp_path / "p.onnx").run(None, {"x": x})[0]
+    plain_err = np.abs(plain - x @ W).max() / np.abs(x @ W).max()
+    assert err < 0.03
+    if smoothed:
+        assert err < plain_err / 3, (err, plain_err)
+
+
+def test_w8a8_engine_check_is_token_exact(float_engine, models, tmp_path, prompts, calib_data, capsys):
+    """A w8a8 engine, calibrated on a JSONL of input ids, carries MatMulNBits engines' contract: no rule but the
+    keys bound, and one-row steps, dynamic trees and batches all give its own vanilla output."""
+    L = _sizes(models["llama"])[0]
+    e = _copy_engine(float_engine, tmp_path / "w8a8")
+    m = quantize_engine(e, "w8a8", data=str(calib_data), progress=False)
+    assert m["quant"]["method"] == "w8a8" and m["quant"]["calibration"]["data"] == str(calib_data)
+    assert m["graphs"]["target"]["ops"]["MatMulInteger"] == 4 * L + 1
+    assert m["exactness"] == {"row_independent_keys": 1024} and m["dtypes"]["weights"] == "int8"
+    for tree in ("chain:3", "dynamic:8/4/2"):
+        _check_engine(e, tmp_path, prompts, capsys, "--tree", tree, "--batch", "4")
+    eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))
+    alone = [r.output_ids for r in open_engine(e, method="vanilla").generate(prompts[:3], max_new_tokens=16)]
+    assert [r.output_ids for r in eng.generate(prompts[:3], max_new_tokens=16, batch=3)] == alone
 
 
 # ----------------------------------------------------------------------------------------------- engines
