@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a time) or the ModelOpt FP8 checkpoint (tensorrt-llm); int8 / int4: MatMulNBits with int8 "
                         "activations and row-independent attention, the quantized CPU path with int8's quality "
                         "(onnxruntime; exact with any tree and in batches); w8a8: SmoothQuant int8 weights and "
-                        "per-row int8 activations on the integer GEMM, the fastest CPU engine, verification of a "
-                        "few rows at about one row's cost, some quality lost (docs/results.md; exact as int8)")
+                        "per-row int8 activations on the integer GEMM: the fastest CPU engine (a few rows verified at "
+                        "about one row's cost), lower quality than int8; exact as int8")
     q.add_argument("--calibrated", type=Path, help="FP8 checkpoint written by `eaglex calibrate` (for --quant fp8)")
     q.add_argument("--quant-draft", action="store_true",
                    help="quantize the draft graphs too (onnxruntime); alone: int8 draft, float target (cheaper "
