@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quant", choices=("fp8", "int8", "int4", "w8a8"),
                    help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime; exact with chain trees, one request at "
                         "a time) or the ModelOpt FP8 checkpoint (tensorrt-llm); int8 / int4: MatMulNBits with int8 "
-                        "activations and row-independent attention, the quantized CPU path with int8's quality "
+                        "activations and row-independent attention, the quantized CPU path closest to float "
                         "(onnxruntime; exact with any tree and in batches); w8a8: SmoothQuant int8 weights and "
                         "per-row int8 activations on the integer GEMM: the fastest CPU engine (a few rows verified at "
                         "about one row's cost), lower quality than int8; exact as int8")
