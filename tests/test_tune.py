@@ -244,6 +244,41 @@ def test_autotune_alternates_the_ladder_and_brackets_it_with_vanilla(monkeypatch
     assert best == trees[0]                               # ties go to the first identical shape
 
 
+def test_autotune_runoff_reruns_the_fastest_shapes_and_decides_over_all_prompts(monkeypatch):
+    """With more prompts than the ladder's first ones, the `runoff` fastest identical shapes run again with vanilla on
+    the rest, and the winner is the fastest over every prompt it ran: here chain:1 leads on the first two prompts
+    but chain:2 wins on the next two by more; dynamic:6/4/2 (slowest at first) never runs again."""
+    import eaglex.runtime.autotune as at
+    from types import SimpleNamespace
+
+    calls = []
+    speed = {"chain:1": {10: 1.0, 11: 1.0, 12: 3.0, 13: 3.0}, "chain:2": {10: 1.5, 11: 1.5, 12: 1.0, 13: 1.0},
+             "dynamic:6/4/2": {10: 2.5, 11: 2.5, 12: 0.1, 13: 0.1}, "vanilla": {10: 4.0, 11: 4.0, 12: 4.0, 13: 4.0}}
+
+    class Fake:
+        def __init__(self, backend, tree=None):
+            self.tree = str(tree or "vanilla")
+
+        def generate(self, prompt, n):
+            calls.append((self.tree, prompt[0]))
+            return SimpleNamespace(seconds=speed[self.tree].get(prompt[0], 1.0), output_ids=[7] * n,
+                                   accept_lengths=[2])
+
+    monkeypatch.setattr(at, "VanillaGenerator", Fake)
+    monkeypatch.setattr(at, "SpeculativeGenerator", Fake)
+    trees = tuple(TreeConfig.parse(t) for t in ("chain:1", "chain:2", "dynamic:6/4/2"))
+    best, rows = at.autotune(SimpleNamespace(), [[10], [11], [12], [13]], max_new_tokens=3, candidates=trees,
+                             first=2, runoff=2)
+    assert {c for c in calls if c[1] in (12, 13)} == {("vanilla", 12), ("chain:1", 12), ("chain:2", 12),
+                                                     ("vanilla", 13), ("chain:1", 13), ("chain:2", 13)}
+    assert best == trees[1]                                # 4.0 s over 4 prompts against chain:1's 8.0
+    assert [r.tokens for r in rows] == [12, 12, 12, 6]     # vanilla and the finalists: all 4 prompts
+    assert rows[0].seconds == pytest.approx(16.0)
+    # without more prompts than `first`, no runoff: chain:1 leads the two it ran
+    calls.clear()
+    assert at.autotune(SimpleNamespace(), [[10], [11]], max_new_tokens=3, candidates=trees, first=2)[0] == trees[0]
+
+
 @pytest.mark.parametrize("own, expected", [
     ("dynamic:12/6/4", ["dynamic:12/6/4", "dynamic:6/4/2"]),        # the engine's own tree and the smaller one
     ("dynamic:6/4/2", ["dynamic:6/4/2"]),                           # nothing smaller to add
