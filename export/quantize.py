@@ -233,16 +233,11 @@ def _checked_bits(mod: str, w: np.ndarray, s: Fp8Scales) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------------- int8
 
-def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ...] = (),
-                      row_attention: tuple[int, int, int] | None = None, block_size: int = NBITS_BLOCK,
-                      accuracy_level: int = NBITS_ACCURACY_LEVEL) -> QuantReport:
-    """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes a `bits`-bit (8 or 4)
-    MatMulNBits (symmetric: no zero points); modules matching a regex in `exclude` stay float. `row_attention`
-    (query heads, KV heads, head dim): check that the graph's attention is the row-independent one for them."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    onnx_path, out_path = Path(onnx_path), Path(out_path)
-    before = _bytes(_files_of(onnx_path))
+def _fused_graph(onnx_path: Path, exclude: tuple[str, ...], row_attention: tuple[int, int, int] | None,
+                 unfit=lambda w: False) -> tuple[onnx.ModelProto, set[str]]:
+    """The graph a weight pass rewrites: loaded; with `row_attention`, its attention checked row-independent for
+    those heads; sibling MatMuls fused, except weights kept apart (modules matching `exclude`, or `unfit(weight)`)
+    -> (model, the names of the weights kept apart)."""
     model = _load(onnx_path)
     if row_attention is not None:
         try:
@@ -253,8 +248,22 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
             raise ModelError(f"{onnx_path.name} has ONNX Runtime's fused Attention, whose rows depend on the call: "
                              "rebuild the float engine with this eaglex (`eaglex build --force`)")
     apart = {w.name for _, w in _weight_matmuls(model.graph)
-             if w.dims[0] % block_size or any(re.search(p, module_name(w.name) or w.name) for p in exclude)}
+             if unfit(w) or any(re.search(p, module_name(w.name) or w.name) for p in exclude)}
     fuse_sibling_matmuls(model, keep=apart)
+    return model, apart
+
+
+def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ...] = (),
+                      row_attention: tuple[int, int, int] | None = None, block_size: int = NBITS_BLOCK,
+                      accuracy_level: int = NBITS_ACCURACY_LEVEL) -> QuantReport:
+    """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes a `bits`-bit (8 or 4)
+    MatMulNBits (symmetric: no zero points); modules matching a regex in `exclude` stay float. `row_attention`
+    (query heads, KV heads, head dim): check that the graph's attention is the row-independent one for them."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    onnx_path, out_path = Path(onnx_path), Path(out_path)
+    before = _bytes(_files_of(onnx_path))
+    model, apart = _fused_graph(onnx_path, exclude, row_attention, lambda w: w.dims[0] % block_size != 0)
     candidates, skipped, exclude_nodes, nodes = [], [], [], 0
     for node, w in _weight_matmuls(model.graph):
         mods = [module_name(part) or part for part in w.name.split(FUSED)]
@@ -305,18 +314,7 @@ def rowwise_int8(onnx_path, out_path, exclude: tuple[str, ...] = (),
     together). Modules matching a regex in `exclude` stay float."""
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     before = _bytes(_files_of(onnx_path))
-    model = _load(onnx_path)
-    if row_attention is not None:
-        try:
-            check_row_independent(*row_attention)
-        except ValueError as e:
-            raise ModelError(f"{onnx_path.name}: {e}") from None
-        if any(n.op_type == "Attention" for n in model.graph.node):
-            raise ModelError(f"{onnx_path.name} has ONNX Runtime's fused Attention, whose rows depend on the call: "
-                             "rebuild the float engine with this eaglex (`eaglex build --force`)")
-    apart = {w.name for _, w in _weight_matmuls(model.graph)
-             if any(re.search(p, module_name(w.name) or w.name) for p in exclude)}
-    fuse_sibling_matmuls(model, keep=apart)
+    model, apart = _fused_graph(onnx_path, exclude, row_attention)
     g = model.graph
     consts = [numpy_helper.from_array(np.array([-1], np.int64), "w8a8.axis"),
               numpy_helper.from_array(np.array(127.0, np.float32), "w8a8.qmax"),
