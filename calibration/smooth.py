@@ -20,7 +20,7 @@ SMOOTH_SAMPLES = 32          # calibration windows of SMOOTH_SEQ_LEN tokens (~8k
 SMOOTH_SEQ_LEN = 256
 
 
-def activation_max(target_dir, samples: int = 32, seq_len: int = 256, data: str = "auto",
+def activation_max(target_dir, samples: int = SMOOTH_SAMPLES, seq_len: int = SMOOTH_SEQ_LEN, data: str = "auto",
                    progress: bool = True) -> dict[str, np.ndarray]:
     """{Hugging Face module name: [in_features] max |input| over the calibration windows} for every nn.Linear of
     the Hugging Face model folder `target_dir`. `data`: calibration/data.py's sources (text ones need the folder's

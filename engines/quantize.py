@@ -1,4 +1,5 @@
-"""`eaglex build --quant fp8|int8|int4|w8a8` (or `--quant-draft` alone): rewrite a built float engine folder into a quantized one.
+"""`eaglex build --quant fp8|int8|int4|w8a8` (or `--quant-draft` alone): rewrite a built float engine folder into a
+quantized one.
 
 The float engine is built first (engines/build.py, with its own parity check against torch); this module then
 rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py:
@@ -239,7 +240,8 @@ def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, 
 def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: dict, parity: dict,
                       draft: bool) -> dict:
     out = _with_files(m, folder, reports)
-    out["dtypes"] = dict(m["dtypes"], weights={"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4", "w8a8": "int8"}[quant])
+    weights = {"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4", "w8a8": "int8"}[quant]
+    out["dtypes"] = dict(m["dtypes"], weights=weights)
     out["quant"] = {"method": quant, "format": FORMATS[quant], "draft_quantized": draft,
                     "graphs": {g: r.to_json() for g, r in reports.items()},
                     "bytes_before": sum(r.bytes_before for r in reports.values()),

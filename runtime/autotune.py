@@ -1,10 +1,10 @@
 """`--tree auto`: pick the draft tree for this machine and this model by measuring, not by GPU folklore.
 
 On a GPU a 60-node tree verifies almost for free; on a CPU a target forward over N tokens costs 1.4-6x a one-token
-forward, so the best shape depends on the hardware, the model size and how
-well the head agrees. The tuner runs vanilla and a ladder of chains and small-to-large trees on a few prompts,
-interleaved, then its fastest few again on more prompts, and keeps the fastest shape whose output matched vanilla. The ladder ends with a cost tree, which sizes
-each cycle's tree by the measured cost curve (runtime/cost.py): it is kept only where it measures fastest.
+forward, so the best shape depends on the hardware, the model size and how well the head agrees. The tuner runs
+vanilla and a ladder of chains and small-to-large trees on a few prompts, interleaved, then its fastest few again on
+more prompts, and keeps the fastest shape whose output matched vanilla. The ladder ends with a cost tree, which
+sizes each cycle's tree by the measured cost curve (runtime/cost.py): it is kept only where it measures fastest.
 """
 from __future__ import annotations
 
