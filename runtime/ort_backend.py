@@ -23,6 +23,7 @@ engine id, and that the graphs' shapes fit the manifest and each other. Any fail
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend
 from .ort_batch import OrtBatchBackend
 from .ort_cache import NP_DTYPES, OrtKVCache
-from .ort_session import open_session, outputs, provider_device
+from .ort_session import open_session, outputs, provider_device, u8s8_saturates
 
 
 def kv_names(layers: int) -> list[str]:
@@ -89,6 +90,12 @@ class OrtBackend(CachedBackend):
             raise ModelError(f"engine {engine_dir} holds {'an ' + self.draft_kind if self.draft_kind else 'no'} "
                              f"draft head, not {draft_kind}")
         self.providers = providers or ["CPUExecutionProvider"]
+        if (m.get("quant") or {}).get("method") == "w8a8" and self.providers[0] == "CPUExecutionProvider" \
+                and u8s8_saturates():
+            warnings.warn(f"engine {engine_dir} is w8a8, and this CPU has no VNNI or AMX: ONNX Runtime's integer "
+                          "GEMM saturates here, so its quality is lower than measured (its output still equals its "
+                          "own vanilla decoding); an int8 engine (--quant int8) keeps its quality on any CPU",
+                          RuntimeWarning, stacklevel=2)
         self.kv_device = provider_device(self.providers)
         open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name, self.providers)
                  for name, g in m["graphs"].items()}

@@ -12,6 +12,7 @@ onnxruntime-gpu package, with the CPU provider behind them for any node they do 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import onnxruntime as ort
@@ -34,6 +35,26 @@ def physical_cores() -> int:
         except OSError:
             return max(1, len(cpus))
     return max(1, len(cores))
+
+
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")     # x86 instructions that sum u8 x s8 products in int32
+
+
+def u8s8_saturates(cpuinfo: str | None = None, machine: str | None = None) -> bool:
+    """Whether ONNX Runtime's uint8 x int8 GEMM (MatMulInteger, w8a8 engines) saturates on this CPU: on x86-64
+    without VNNI or AMX its kernel adds pairs of products in int16 (VPMADDUBSW), which clips where large activations
+    meet large weights. Outputs stay deterministic and rows independent (exactness holds); quality drops.
+    `cpuinfo`, `machine`: /proc/cpuinfo's text and the architecture, for tests."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64"):
+        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False                        # not Linux: no way to tell, say nothing
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return not flags & set(INT8_DOT_FLAGS)
 
 
 def use_global_pool(threads: int | None = None) -> int:

@@ -469,7 +469,7 @@ def test_w8a8_matmul_error_and_smoothing(tmp_path, smoothed):
         assert err < plain_err / 3, (err, plain_err)
 
 
-def test_w8a8_engine_check_is_token_exact(float_engine, models, tmp_path, prompts, calib_data, capsys):
+def test_w8a8_engine_check_is_token_exact(float_engine, models, tmp_path, prompts, calib_data, capsys, monkeypatch):
     """A w8a8 engine, calibrated on a JSONL of input ids, carries MatMulNBits engines' contract: no rule but the
     keys bound, and one-row steps, dynamic trees and batches all give its own vanilla output."""
     L = _sizes(models["llama"])[0]
@@ -483,6 +483,10 @@ def test_w8a8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))
     alone = [r.output_ids for r in open_engine(e, method="vanilla").generate(prompts[:3], max_new_tokens=16)]
     assert [r.output_ids for r in eng.generate(prompts[:3], max_new_tokens=16, batch=3)] == alone
+    import eaglex.runtime.ort_backend as ob                # on a CPU whose integer GEMM saturates: one warning
+    monkeypatch.setattr(ob, "u8s8_saturates", lambda: True)
+    with pytest.warns(RuntimeWarning, match="no VNNI or AMX"):
+        ob.OrtBackend(e)
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -700,3 +704,17 @@ def test_fp8_draft_engine_check_is_token_exact(float_engine, calibrated, calib_d
     m = quantize_engine(e, "fp8", cal, draft=True, calibrated_draft_dir=tmp_path / "cal-draft", progress=False)
     assert m["quant"]["graphs"]["draft"]["matmuls"] == 7 and m["quant"]["graphs"]["draft_fc"]["matmuls"] == 1
     _check_engine(e, tmp_path, prompts, capsys)
+
+
+@pytest.mark.parametrize("machine, flags, saturates", [
+    ("x86_64", "fpu avx2 fma", True),                                 # AVX2 only: VPMADDUBSW, int16 pair sums
+    ("x86_64", "fpu avx2 avx512f avx512bw", True),                    # AVX-512 without VNNI: the same
+    ("x86_64", "fpu avx2 avx512f avx512_vnni", False),
+    ("x86_64", "fpu avx2 avx_vnni", False),
+    ("x86_64", "fpu avx2 amx_tile amx_int8", False),
+    ("aarch64", "fp asimd", False),                                   # ARM's dot products accumulate in int32
+])
+def test_u8s8_saturation_is_told_by_the_cpu_flags(machine, flags, saturates):
+    from eaglex.runtime.ort_session import u8s8_saturates
+    info = f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    assert u8s8_saturates(info, machine) is saturates
