@@ -93,8 +93,8 @@ class OrtBackend(CachedBackend):
         if (m.get("quant") or {}).get("method") == "w8a8" and self.providers[0] == "CPUExecutionProvider" \
                 and u8s8_saturates():
             warnings.warn(f"engine {engine_dir} is w8a8, and this CPU has no VNNI or AMX: ONNX Runtime's integer "
-                          "GEMM saturates here, so its quality is lower than measured (its output still equals its "
-                          "own vanilla decoding); an int8 engine (--quant int8) keeps its quality on any CPU",
+                          "GEMM saturates here, so its quality is lower than measured and its exactness untested "
+                          "(run `eaglex check`); an int8 engine (--quant int8) is safe on any CPU",
                           RuntimeWarning, stacklevel=2)
         self.kv_device = provider_device(self.providers)
         open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name, self.providers)

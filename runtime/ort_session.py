@@ -43,8 +43,8 @@ INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")     # x86 instructions 
 def u8s8_saturates(cpuinfo: str | None = None, machine: str | None = None) -> bool:
     """Whether ONNX Runtime's uint8 x int8 GEMM (MatMulInteger, w8a8 engines) saturates on this CPU: on x86-64
     without VNNI or AMX its kernel adds pairs of products in int16 (VPMADDUBSW), which clips where large activations
-    meet large weights. Outputs stay deterministic and rows independent (exactness holds); quality drops.
-    `cpuinfo`, `machine`: /proc/cpuinfo's text and the architecture, for tests."""
+    meet large weights: quality drops, and whether rows stay independent of the call (speculation's exactness
+    rests on it) is untested there. `cpuinfo`, `machine`: /proc/cpuinfo's text and the architecture, for tests."""
     machine = (machine or platform.machine()).lower()
     if machine not in ("x86_64", "amd64"):
         return False
