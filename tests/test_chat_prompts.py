@@ -84,3 +84,15 @@ def test_honest_prompts_cover_the_categories_and_share_nothing_with_the_built_in
     d = Deduper(threshold=0.5)
     d.reserve(chat_prompts.train_prompts() + chat_prompts.heldout_prompts())
     assert all(d.add(t) for t in honest_prompts.user_texts())
+
+
+def test_tuning_prompts_cover_the_bench_categories_from_the_start_and_are_kept_from_training():
+    """The tuning set: the five categories the bench measures first, all of them among its first five prompts (tuning
+    measures the whole ladder on its first few); its user turns are among those training must stay away from (and the
+    test above keeps them from the held-out set and the built-in one)."""
+    from eaglex.base import honest_prompts
+
+    items = honest_prompts.tuning_prompts()
+    bench = {"coding", "code-explain", "explanation", "advice", "writing"}
+    assert len(items) >= 8 and {c for c, _ in items} == bench == {c for c, _ in items[:5]}
+    assert all(m[-1]["content"] in honest_prompts.user_texts() for _, m in items)

@@ -36,6 +36,28 @@ def test_check_and_demo_prompts_come_from_the_whole_prompt_file():
         assert prompts == every[:check or None] and (demo_ids, demo_text) == ([demo], f"q{demo}")
 
 
+def test_tuning_prompts_are_a_file_of_their_own():
+    """`make engine` tunes the tree on the preset's tuning prompts: a file apart from the prompts it checks and from
+    the hand-written ones the bench measures on, long enough for tuning's runoff. Without one it tunes on the
+    checked prompts ([] here)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from eaglex.base.prompts import read_records
+    from eaglex.engines.tune import TUNE_PROMPTS
+    from eaglex.make_engine import tuning_prompts
+    from eaglex.presets import REPO_ROOT
+
+    smol = get_preset("smollm2-135m")
+    ids = SimpleNamespace(tokenizer=None)          # the files carry input_ids: no tokenizer needed
+    tune = tuning_prompts(smol, ids)
+    assert len(tune) >= TUNE_PROMPTS
+    measured = [r["input_ids"] for name in (smol.prompts, "models/smollm2-135m/heldout_honest.jsonl")
+                for _, r in read_records(REPO_ROOT / name)]
+    assert not {tuple(t) for t in tune} & {tuple(m) for m in measured}
+    assert tuning_prompts(replace(smol, tune_prompts=None), ids) == []
+
+
 def test_unknown_preset():
     with pytest.raises(ModelError, match="unknown MODEL=nope; presets: smollm2-135m, tiny"):
         get_preset("nope")

@@ -58,13 +58,14 @@ def test_committed_heads_are_lossless_and_draft_well(target, head):
     assert sum(r.tau for r in rows) / len(rows) > 1.8
 
 
-def test_committed_honest_prompts_are_the_chat_template_of_their_messages(target):
+@pytest.mark.parametrize("name", ["heldout_honest.jsonl", "tuning.jsonl"])
+def test_committed_hand_written_prompts_are_the_chat_template_of_their_messages(target, name):
     from eaglex.base import honest_prompts
     from eaglex.base.prompts import encode, load_tokenizer
 
     tok = load_tokenizer(target)
-    lines = [json.loads(x) for x in (HEADS / "heldout_honest.jsonl").read_text().splitlines()]
-    items = honest_prompts.honest_prompts()
+    lines = [json.loads(x) for x in (HEADS / name).read_text().splitlines()]
+    items = honest_prompts.honest_prompts() if name == "heldout_honest.jsonl" else honest_prompts.tuning_prompts()
     assert len(lines) == len(items)
     for i, (r, (cat, msgs)) in enumerate(zip(lines, items)):
         assert r["category"] == cat and r.get("messages", [{"role": "user", "content": r.get("prompt")}]) == msgs

@@ -11,7 +11,8 @@ checkpoint; a finished one reruns in seconds), every random draw is seeded, and 
                  Face folder (eaglex.models.gguf)
     prompts      the built-in chat instructions (eaglex.base.chat_prompts), in the target's chat template: training
                  prompts, and the held-out files for the τ report: OUT/prompts.jsonl (the built-in set's template
-                 split) and OUT/heldout_honest.jsonl (hand-written, eaglex.base.honest_prompts)
+                 split) and OUT/heldout_honest.jsonl (hand-written, eaglex.base.honest_prompts); OUT/tuning.jsonl
+                 (hand-written too) is what `eaglex tune` chooses the engine's tree on
     instructions instructions the target writes itself (eaglex.training.selfinstruct: its chat template's pre-query
                  text, sampled, filtered, deduplicated against each other, the built-in set and both held-out
                  files; a share with a follow-up turn), resumable from OUT/work/selfinstruct-*.jsonl; the training
@@ -181,24 +182,32 @@ def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def write_heldout_files(tok, dest: Path, template_count: int | None = None) -> None:
-    """The two held-out prompt files, in the target's chat template: prompts.jsonl (the template split of the
-    built-in set, its first `template_count` or all) and heldout_honest.jsonl (the hand-written set)."""
-    from eaglex.base.prompts import encode
-
+    """The prompt files kept apart from training, in the target's chat template: prompts.jsonl (the template split
+    of the built-in set, its first `template_count` or all), heldout_honest.jsonl (the hand-written held-out set)
+    and tuning.jsonl (the hand-written set trees are tuned on)."""
     held = chat_prompts.heldout_prompts()[:template_count]
     lines = [{"prompt": text, "input_ids": ids} for text, ids in zip(held, chat_ids(tok, held))]
     write_text(dest / "prompts.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
-    honest = []
-    for i, (cat, msgs) in enumerate(honest_prompts.honest_prompts()):
-        ids = encode({"messages": msgs}, tok, True, f"honest prompt {i}")
+    write_conversations(tok, dest / "heldout_honest.jsonl", honest_prompts.honest_prompts())
+    write_conversations(tok, dest / "tuning.jsonl", honest_prompts.tuning_prompts())
+
+
+def write_conversations(tok, path: Path, items: list[tuple[str, list[dict]]]) -> None:
+    """(category, conversation) items as JSONL in the target's chat template, each line with its text: the user
+    message where there is one turn, else the conversation."""
+    from eaglex.base.prompts import encode
+
+    lines = []
+    for i, (cat, msgs) in enumerate(items):
+        ids = encode({"messages": msgs}, tok, True, f"{path.name} line {i + 1}")
         one = {"prompt": msgs[0]["content"]} if len(msgs) == 1 else {"messages": msgs}
-        honest.append({"category": cat, **one, "input_ids": ids})
-    write_text(dest / "heldout_honest.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in honest))
+        lines.append({"category": cat, **one, "input_ids": ids})
+    write_text(path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
 
 
 def stage_prompts(p: Paths, cfg: BuildConfig) -> dict:
-    """The built-in training instructions in the chat template (work/builtin_prompts.json), and both held-out
-    files (OUT/prompts.jsonl, OUT/heldout_honest.jsonl)."""
+    """The built-in training instructions in the chat template (work/builtin_prompts.json), and the prompt files
+    kept apart from training (OUT/prompts.jsonl, OUT/heldout_honest.jsonl, OUT/tuning.jsonl)."""
     from eaglex.base.prompts import load_tokenizer
 
     tok = load_tokenizer(p.target)
@@ -561,11 +570,13 @@ def model_card(m: dict, published: bool = False) -> str:
     files = (f"""| eagle3/ | EAGLE-3 head (safetensors, float32), draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head (safetensors, float32; it reads the target's own embedding, which training keeps frozen, so the copy official EAGLE-1 files carry is left out); {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
 | prompts.jsonl | {len(chat_prompts.heldout_prompts())} held-out chat prompts in the chat template (no instruction and no template+topic pair trained on); the τ table below uses the first {m["prompts"]["heldout"]} |
-| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts (base/honest_prompts.py: coding, code to explain, explanations, advice, writing, math, long inputs, multi-turn, other languages), sharing no template with any training instruction |""" if published else
+| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts (base/honest_prompts.py: coding, code to explain, explanations, advice, writing, math, long inputs, multi-turn, other languages), sharing no template with any training instruction |
+| tuning.jsonl | {len(honest_prompts.TUNING)} more hand-written prompts in the first five of those categories (base/honest_prompts.py), which `eaglex tune` chooses the engine's tree on: never trained on, never benched |""" if published else
              f"""| eagle3/ | EAGLE-3 head, draft vocabulary {cfg["eagle3"]["draft_vocab_size"]}; {e3["steps"]} steps × {cfg["eagle3"]["batch"]} sequences, final loss {e3["final_loss"]} ({e3["seconds"]:.0f} s) |
 | eagle1/ | EAGLE-1/2 head; {e1["steps"]} steps × {cfg["eagle1"]["batch"]} sequences, final loss {e1["final_loss"]} ({e1["seconds"]:.0f} s) |
 | prompts.jsonl | {m["prompts"]["heldout"]} held-out chat prompts (no instruction and no template+topic pair trained on) |
-| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts, sharing no template with any training instruction |""")
+| heldout_honest.jsonl | {m["prompts"]["honest"]} hand-written held-out prompts, sharing no template with any training instruction |
+| tuning.jsonl | {len(honest_prompts.TUNING)} more hand-written prompts, for tuning the engine's tree |""")
     gpu = m.get("device", "cpu") != "cpu"
     where_run = f"one {m['device']} GPU" if gpu else f"{m['lanes']} lane(s) of one CPU thread"
     rebuild = ("\n`make smollm2 DEVICE=cuda` regenerates this folder on a GPU (resumable; not bit-reproducible: "
@@ -606,7 +617,7 @@ Sample ({m["sample"]["prompt"]!r}, EAGLE-3, τ {m["sample"]["tau"]}):
 def publish(out: Path, dest: Path, manifest: dict) -> None:
     """Copy the heads into `dest` as the repository keeps them: safetensors, the EAGLE-1/2 head without its copy of
     the target's embedding (the loader falls back to the target's own, which is the same tensor: it is frozen in
-    training), every held-out chat prompt of both files, and the model card. Written into a sibling folder, then swapped in."""
+    training), the prompt files kept apart from training, and the model card. Written into a sibling folder, then swapped in."""
     from safetensors.torch import save_file
 
     from eaglex.base.prompts import load_tokenizer
@@ -651,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-new-tokens", type=int)
     ap.add_argument("--shapes", help="comma-separated tree shapes for the τ report")
     ap.add_argument("--until", choices=STAGES, default="tau", help="stop after this stage (sizing runs)")
-    ap.add_argument("--publish", type=Path, help="after a complete build, copy the heads, every held-out prompt and "
+    ap.add_argument("--publish", type=Path, help="after a complete build, copy the heads, the held-out and tuning prompts and "
                     "the model card into this folder as the repository keeps them (models/smollm2-135m)")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.preset]
