@@ -385,15 +385,19 @@ BATCH_CHAINS = (1, 2, 3, 4)
 # tree of the single-request ladder (runtime/autotune.py), the cheapest tree that still branches.
 BATCH_TREES = (TreeConfig.parse("dynamic:6/4/2"),)
 BATCH_TOKENS = 24              # new tokens per request while tuning
+# Requests each candidate decodes per batch size at least, in rounds of B (prompts rotated): one request alone
+# measures its prompt's acceptance, not the family's (on SmolLM2 a batch of one on a code prompt ran chain:4 at 3.6x
+# vanilla, where the single-request ladder over 8 prompts measured 1.7x).
+BATCH_MIN_REQUESTS = 4
 
 
-def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: int, max_new_tokens: int
-              ) -> tuple[float, list[Request]]:
-    """`size` requests (prompts cycled) started together on `tree` (None: vanilla) in a batched backend with at
-    least `size` slots, run to the end -> (aggregate tokens/s after their admission, the requests in submission
-    order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
+def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: int, max_new_tokens: int,
+              first: int = 0) -> tuple[float, list[Request]]:
+    """`size` requests (prompts cycled from index `first`) started together on `tree` (None: vanilla) in a batched
+    backend with at least `size` slots, run to the end -> (aggregate tokens/s after their admission, the requests in
+    submission order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
     gen = BatchedGenerator(backend, Schedule.fixed(tree))
-    reqs = [gen.submit(prompts[i % len(prompts)], max_new_tokens) for i in range(size)]
+    reqs = [gen.submit(prompts[(first + i) % len(prompts)], max_new_tokens) for i in range(size)]
     gen.step()
     running = list(gen.active)
     tokens = -sum(len(r.result.output_ids) for r in running)
@@ -409,7 +413,7 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
                   max_new_tokens: int = BATCH_TOKENS) -> tuple[Schedule, dict[int, dict[str, float]]]:
     """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
     of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
-    size) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger sizes
+    round, BATCH_MIN_REQUESTS requests each at least) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger sizes
     are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then only
     while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
     wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
@@ -427,13 +431,23 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
     for B in sizes:
         last = table[max(table)] if table else None
         try_wide = last is None or max(last, key=last.get) in map(str, wide)
-        rates = {}
-        for tree in [None] + ladder + (wide if try_wide else []):
-            rates[str(tree or "vanilla")] = round(run_batch(backend, tree, prompts, B, max_new_tokens)[0], 2)
+        shapes = [None] + ladder + (wide if try_wide else [])
+        runs: dict[str, list[float]] = {str(tree or "vanilla"): [] for tree in shapes}
+        for r in range(-(-BATCH_MIN_REQUESTS // B)):
+            for tree in shapes:
+                runs[str(tree or "vanilla")].append(run_batch(backend, tree, prompts, B, max_new_tokens, r * B)[0])
+        rates = {k: round(_harmonic_mean(v), 2) for k, v in runs.items()}
         table[B] = rates
         if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
             break
     return schedule_from(table), table
+
+
+def _harmonic_mean(rates: list[float]) -> float:
+    """The aggregate rate of rounds that decode the same number of tokens; a round that decoded none (every
+    request ended at its prefill) says nothing and is left out."""
+    rates = [r for r in rates if r > 0]
+    return len(rates) / sum(1 / r for r in rates) if rates else 0.0
 
 
 SCHEDULE_MARGIN = 0.05         # a tree must beat vanilla batching by this much: interleaved tuning runs differ ~±5 %

@@ -232,8 +232,8 @@ def test_tuning_measures_wide_trees_only_while_they_win(speeds, exact_trees, mea
     from types import SimpleNamespace
     runs = []
 
-    def fake(backend, tree, prompts, size, max_new_tokens):
-        runs.append((str(tree or "vanilla"), max_new_tokens))
+    def fake(backend, tree, prompts, size, max_new_tokens, first=0):
+        runs.append((str(tree or "vanilla"), max_new_tokens, size, first))
         return speeds[size][str(tree or "vanilla")], []
     monkeypatch.setattr(batch_mod, "run_batch", fake)
     backend = SimpleNamespace(draft_kind="eagle3", exact_trees=exact_trees)
@@ -241,7 +241,24 @@ def test_tuning_measures_wide_trees_only_while_they_win(speeds, exact_trees, mea
     assert str(schedule) == expected and table == {b: speeds[b] for b in measured}
     assert {b: len(row) for b, row in table.items()} == measured
     warm = len(speeds[1])                                      # first every candidate once, for 4 tokens
-    assert runs[:warm] == [(t, 4) for t in speeds[1]] and all(n == batch_mod.BATCH_TOKENS for _, n in runs[warm:])
+    assert [r[:2] for r in runs[:warm]] == [(t, 4) for t in speeds[1]]
+    assert all(n == batch_mod.BATCH_TOKENS for _, n, _, _ in runs[warm:])
+    for b, row in table.items():      # rounds of b requests, prompts rotated, every candidate once per round
+        rounds = -(-batch_mod.BATCH_MIN_REQUESTS // b)
+        assert [(t, f) for t, _, size, f in runs[warm:] if size == b] == [(t, r * b) for r in range(rounds)
+                                                                             for t in row]
+
+
+def test_tuning_rates_over_rounds_are_their_harmonic_mean(monkeypatch):
+    """A batch of one runs BATCH_MIN_REQUESTS rounds, one prompt each: a candidate that flies on one prompt and
+    crawls on three is rated by its tokens over its time, not by its fast round."""
+    from types import SimpleNamespace
+    rates = {"vanilla": [40, 40, 40, 40], "chain:2": [160, 32, 32, 32]}
+    monkeypatch.setattr(batch_mod, "run_batch",
+                        lambda backend, tree, prompts, size, n, first=0: (rates[str(tree or "vanilla")][first], []))
+    schedule, table = batch_mod.tune_schedule(SimpleNamespace(draft_kind="eagle3", exact_trees="chain"),
+                                              [[1], [2], [3], [4]], sizes=(1,), chains=(2,), trees=())
+    assert table == {1: {"vanilla": 40.0, "chain:2": 4 / (1 / 160 + 3 / 32)}} and str(schedule) == "1:vanilla"
 
 
 def test_chain_only_engines_refuse_dynamic_schedules(backends):
