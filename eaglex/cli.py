@@ -537,7 +537,12 @@ def _llamacpp_from_args(args, engines):
     binding = resolve(args.llamacpp, target, hint)
     drafts = parse_drafts(args.llamacpp_drafts)                 # a bad spelling fails before anything runs
     bin_dir = find_bin(args.llamacpp_server)
-    if bin_dir is None or args.llamacpp == "off":
+    if bin_dir is None:
+        return binding, None
+    if args.llamacpp == "off":
+        if args.llamacpp_server != "auto":
+            print("llama.cpp EAGLE-3 peers: skipped (--llamacpp off: they run on its GGUF file; give --llamacpp "
+                  "auto or FILE.gguf)", file=sys.stderr)
         return binding, None
     if args.draft is None:
         print("llama.cpp EAGLE-3 peers: skipped (pass --draft HEAD, the EAGLE-3 head folder)", file=sys.stderr)

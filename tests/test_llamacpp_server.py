@@ -182,6 +182,25 @@ def test_find_bin(tmp_path, monkeypatch):
     assert S.find_bin("auto", lines.append) is None and len(lines) == 2
 
 
+def test_server_rows_asked_for_with_llamacpp_off_are_skipped_in_one_line(tmp_path, capsys, monkeypatch):
+    """The server peers run on --llamacpp's GGUF file: `--llamacpp off` with an explicit --llamacpp-server says
+    why they are not run instead of leaving them out silently."""
+    from types import SimpleNamespace
+
+    from eaglex.cli import _llamacpp_from_args
+    for name in ("llama-server", "llama-quantize"):
+        (tmp_path / name).write_text("")
+    args = SimpleNamespace(target=tmp_path, llamacpp="off", llamacpp_server=str(tmp_path), llamacpp_drafts=None,
+                           draft=tmp_path)
+    assert _llamacpp_from_args(args, []) == (None, None)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "llama.cpp EAGLE-3 peers: skipped (--llamacpp off" in err
+    monkeypatch.setattr(S, "DEFAULT_BIN", tmp_path)   # auto finds them there, but was not asked for by name
+    args.llamacpp_server = "auto"
+    _llamacpp_from_args(args, [])
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (BIN / "llama-server").is_file(), reason="llama-server not built (tools/build_llamacpp.sh)")
 def test_llama_server_runs_the_exported_head_losslessly(target_gguf, tmp_path):
