@@ -413,8 +413,8 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
                   max_new_tokens: int = BATCH_TOKENS) -> tuple[Schedule, dict[int, dict[str, float]]]:
     """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
     of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
-    round, BATCH_MIN_REQUESTS requests each at least) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger sizes
-    are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then only
+    round, BATCH_MIN_REQUESTS requests each at least) and pick the schedule from the table (schedule_from). Once
+    vanilla batching wins at some B, larger sizes are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then only
     while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
     wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
     not win at more; this keeps their cost to the sizes where they can win. Trees other than chains are left out
