@@ -12,8 +12,9 @@ on one thread; torch rows and transformers peers: torch on the cores); every row
 Peers: transformers (greedy, prompt lookup, assisted) on the target folder, and llama.cpp on the GGUF file the
 target came from (eaglex/llamacpp_peer.py). Every peer's tokens are compared with eaglex vanilla; a mismatch fails
 the run only for rows that must be identical (not llama.cpp's: other kernels and quantized weights, reported in a
-note under the table). The llama.cpp rows run interleaved with the first engine's vanilla, their e2e speedup is
-against it.
+note under the table). The llama.cpp rows run interleaved with every engine's vanilla, their e2e speedup is against
+the first's; a second table gives each eaglex row over each llama.cpp row, anchored on its engine's vanilla run beside
+llama.cpp (`anchor`), so that drift between the bench's sections does not enter a cross-system ratio.
 
 Devices: every row states where it ran (`device`, with the dtype). On a GPU the per-cycle split comes from CUDA
 events around each forward (runtime/generate.py), so "other" is the time the GPU waited for the host, and the cost
@@ -173,6 +174,57 @@ def print_table(rows: list[dict]) -> None:
             print(f"  {r['engine']} {r['method']} ({r['device']}): {r['note']}")
 
 
+def _vanilla_call(engine, threads: int | None):
+    """(prompt, n) -> (ids, seconds): `engine`'s vanilla decoding under its own thread policy, for the peers to
+    interleave with their rows (each engine beside llama.cpp, under the same load)."""
+    vanilla = VanillaGenerator(engine.backend)
+
+    def call(p, n):
+        set_threads(threads, onnxruntime=engine.layout == "engine")
+        r = vanilla.generate(p, n)
+        return r.output_ids, r.seconds
+    return call
+
+
+def peer_label(r: dict) -> str:
+    """A llama.cpp row's short name: its weights, +E3 for llama-server's EAGLE-3, py for llama-cpp-python's rows."""
+    weights = r["device"].split()[1]
+    return {"eagle3": f"{weights}+E3", "vanilla": weights, "greedy": f"py {weights}",
+            "prompt-lookup": f"py lookup {weights}"}.get(r["method"], f"{r['method']} {weights}")
+
+
+def anchor(rows: list[dict]) -> None:
+    """Cross-system ratios that host drift between the bench's sections does not move: an eaglex row over a peer
+    row is (the row over its engine's vanilla, interleaved in the engine's section) x (that vanilla over the peer
+    row, interleaved in the peer's run). Adds `vs_llamacpp_anchored` {peer_label: ratio} to every eaglex row."""
+    peers = [r for r in rows if r.get("alongside_tokens_per_s") and r["tokens_per_s"]]
+    vanilla = {r["engine"]: r["tokens_per_s"] for r in rows if r["method"] == "vanilla" and r["engine"] != "llama.cpp"}
+    for r in rows:
+        own = vanilla.get(r["engine"])
+        if r["engine"] == "llama.cpp" or not own or not r["tokens_per_s"]:
+            continue
+        got = {peer_label(p): round(r["tokens_per_s"] / own * p["alongside_tokens_per_s"][r["engine"]]
+                                    / p["tokens_per_s"], 3)
+               for p in peers if r["engine"] in p["alongside_tokens_per_s"]}
+        if got:
+            r["vs_llamacpp_anchored"] = got
+
+
+def print_anchored(rows: list[dict]) -> None:
+    """The anchored ratios (see `anchor`) as a table: eaglex rows down, llama.cpp rows across."""
+    mine = [r for r in rows if r.get("vs_llamacpp_anchored")]
+    if not mine:
+        return
+    cols = list(mine[0]["vs_llamacpp_anchored"])
+    width = max(8, *(len(c) + 1 for c in cols))
+    print("\neaglex row / llama.cpp row, anchored on the engine's vanilla run beside llama.cpp:")
+    print(f"{'engine':<22} {'method':<10} {'tree':<28}" + "".join(f"{c:>{width}}" for c in cols))
+    for r in mine:
+        got = r["vs_llamacpp_anchored"]
+        print(f"{r['engine']:<22} {r['method']:<10} {r['tree']:<28}"
+              + "".join(f"{got[c]:>{width - 1}.2f}x" if c in got else f"{'-':>{width}}" for c in cols))
+
+
 def _tuned_label(engine, tree: TreeConfig) -> str:
     """What a tree row says about tuning: the engine's tuned tree, or the head's best tree where tuning measured
     vanilla faster (the engine then runs vanilla by default: its vanilla row is what it serves)."""
@@ -231,26 +283,22 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
             rows.append(r.as_dict())
     if llamacpp is not None or llamacpp_server is not None:
         from eaglex.runtime.ort_session import physical_cores
-        _, first = engines[0]
-        set_threads(threads, onnxruntime=first.layout == "engine")     # the first engine's policy, for its baseline
-        vanilla = VanillaGenerator(first.backend)
-
-        def baseline(p, n):     # eaglex vanilla interleaved with the llama.cpp rows: the same load for both
-            r = vanilla.generate(p, n)
-            return r.output_ids, r.seconds
-        spec, cores = first.spec, threads or physical_cores()
+        spec, cores = engines[0][1].spec, threads or physical_cores()
+        baselines = {name: _vanilla_call(engine, threads) for name, engine in engines}
         if llamacpp is not None:
             got = run_llamacpp_peers(llamacpp, prompts, max_new_tokens, cores, spec.eos_ids, spec.max_context,
-                                     reference, baseline=baseline)
+                                     reference, baselines=baselines)
             rows += [r.as_dict() for r in got]
         if llamacpp_server is not None:
             got = run_server_peers(llamacpp_server, prompts, max_new_tokens, cores, spec.eos_ids, spec.max_context,
-                                   reference, baseline=baseline)
+                                   reference, baselines=baselines)
             rows += [r.as_dict() for r in got]
+        anchor(rows)
     hf = next((r for r in rows if r["method"] == "hf greedy"), None)
     for r in rows:
         r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None
     print_table(rows)
+    print_anchored(rows)
     if out is not None:
         write_json(out, {"machine": {**machine(), "load_average_at_start": load_start}, "prompts": len(prompts),
                          "max_new_tokens": max_new_tokens, "cost_model": cost_models, "rows": rows})

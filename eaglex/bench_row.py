@@ -32,6 +32,7 @@ class Row:
     enforced: bool = True        # False: a mismatch with vanilla is reported, not a failure (see the docstring)
     note: str = ""
     tau: float | None = None     # a peer's own count of tokens per target forward (llama-server's timings)
+    alongside: dict[str, float] = field(default_factory=dict)   # a peer row: eaglex vanillas' tokens/s beside it
 
     def add(self, r, baseline) -> None:
         """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
@@ -76,4 +77,20 @@ class Row:
                 "verify_ms_per_cycle": per_cycle(target), "other_ms_per_cycle": per_cycle(total - target - draft),
                 "predicted_speedup": self.predicted_speedup,
                 "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup),
+                **({"alongside_tokens_per_s": self.alongside} if self.alongside else {}),
                 **({"note": self.note} if self.note else {})}
+
+
+@dataclass
+class Alongside:
+    """The eaglex vanilla runs a peer interleaves with its rows (`eaglex bench` passes one per engine): each engine's
+    tokens/s over the same prompts, under the same load as the peer's rows."""
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, ids: list[int], seconds: float) -> None:
+        self.tokens[name] = self.tokens.get(name, 0) + len(ids)
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def rates(self) -> dict[str, float]:
+        return {k: round(self.tokens[k] / s, 2) for k, s in self.seconds.items() if s}

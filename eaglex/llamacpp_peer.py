@@ -5,9 +5,10 @@ Rows: greedy decoding with that file as it is (e.g. Q4_1), with F32 and Q8_0 cop
 the F32 copy. Measured like the transformers peers: the same prompt token ids (fed as ids, never re-tokenized), the
 same max_new_tokens and stop rules (any EOS id of the target, the context limit), greedy sampling, wall time per
 prompt including the prefill (every prompt starts from an empty KV cache), all rows interleaved per prompt in a seeded
-order, on the cores of the eaglex rows (n_threads and n_threads_batch). With a `baseline` (eaglex vanilla, which the
-bench passes) it runs in that same shuffled order, and a row's speedup is against it: llama.cpp and eaglex then see
-the same drifting load of a shared machine; without one, against llama.cpp's F32 greedy run of the same prompt.
+order, on the cores of the eaglex rows (n_threads and n_threads_batch). With `baselines` (eaglex vanilla of each
+engine, which the bench passes) they run in that same shuffled order, every row records each one's tokens/s
+(`alongside`) and a row's speedup is against the first: llama.cpp and eaglex then see the same drifting load of a
+shared machine; without them, against llama.cpp's F32 greedy run of the same prompt.
 
 Outputs are compared with eaglex vanilla. The comparison is reported, not enforced: llama.cpp's kernels round
 differently from eaglex's, and Q8_0/Q4_x are other weights, so their tokens are expected to drift apart.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Row
+from eaglex.bench_row import Alongside, Row
 from eaglex.models.gguf import MARKER, default_cache_dir, file_sha256, inspect_gguf, is_gguf_path
 
 INSTALL = "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36"
@@ -177,10 +178,10 @@ def _crash(path: Path, threads: int) -> str | None:
 
 def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_tokens: int, threads: int,
                        eos_ids, max_context: int, reference: list[list[int]] | None = None,
-                       log=lambda line: print(line, file=sys.stderr), baseline=None) -> list[Row]:
+                       log=lambda line: print(line, file=sys.stderr), baselines=None) -> list[Row]:
     """The llama.cpp rows (see the module docstring) on `threads` cores; outputs compared with `reference`.
-    `baseline(prompt, max_new_tokens)` -> (token ids, seconds): eaglex vanilla, run alongside (see the module
-    docstring). A file llama.cpp cannot decode here (see _crash) loses its rows, with one `log` line."""
+    `baselines`: {engine name: (prompt, max_new_tokens) -> (token ids, seconds)}, eaglex vanilla run alongside (see
+    the module docstring). A file llama.cpp cannot decode here (see _crash) loses its rows, with one `log` line."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from eaglex.models.gguf_derive import derived_gguf
@@ -209,8 +210,11 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
                    threads=f"llama.cpp {threads}", device=f"cpu {k[1]}", enforced=False) for k in runs}
     same = {k: 0 for k in runs}
     calls = {k: (lambda p, n, llm=llm: _generate(llm, p, n, eos)) for k, llm in runs.items()}
-    if baseline is not None:
-        calls["eaglex"], base = baseline, "eaglex"
+    for name, call in (baselines or {}).items():
+        calls[("eaglex", name)] = call
+    if baselines:
+        base = ("eaglex", next(iter(baselines)))
+    alongside = Alongside()
     for call in calls.values():
         call(prompts[0], 8)                                 # warm-up: allocations, page-in of the weights
     order = random.Random(0)
@@ -219,6 +223,8 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
         keys = list(calls)
         order.shuffle(keys)                                 # no row always runs first or last
         results = {k: calls[k](p, limit) for k in keys}
+        for name in baselines or {}:
+            alongside.add(name, *results[("eaglex", name)])
         for k, r in rows.items():
             ids, sec = results[k]
             r.requests += 1
@@ -233,6 +239,7 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
             why = "" if k[1] == "F32" else f" ({k[1]} weights: expected to differ)"
             r.note = f"{same[k]}/{len(prompts)} prompts identical to eaglex vanilla{why}"
     for r in rows.values():
-        vs = "eaglex vanilla, run alongside" if baseline is not None else "llama.cpp greedy " + base[1]
+        r.alongside = alongside.rates()
+        vs = "eaglex vanilla, run alongside" if baselines else "llama.cpp greedy " + base[1]
         r.note = "; ".join(filter(None, (r.note, f"e2e: vs {vs}")))
     return list(rows.values())

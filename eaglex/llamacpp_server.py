@@ -9,8 +9,9 @@ rows' thread count (-t/-tb, and -td/-tbd for the draft), one slot, no prompt cac
 
 EAGLE-3 runs at its best measured draft settings: per encoding, a short sweep over DRAFT n-max / p-min settings
 (--spec-draft-n-max / --spec-draft-p-min), each interleaved prompt by prompt with that encoding's vanilla server,
-keeps the fastest; then the measured run interleaves every server with eaglex vanilla (the `baseline`), prompt by
-prompt in a seeded order. τ is tokens per target forward, from llama.cpp's per-request timings (see `tau`).
+keeps the fastest; then the measured run interleaves every server with eaglex vanilla of each engine (the
+`baselines`; every row records their tokens/s as `alongside`), prompt by prompt in a seeded order. τ is tokens per
+target forward, from llama.cpp's per-request timings (see `tau`).
 Outputs are compared, not enforced: a vanilla row with eaglex vanilla, an EAGLE-3 row with its own vanilla.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Row
+from eaglex.bench_row import Alongside, Row
 
 BUILD = "tools/build_llamacpp.sh"
 DEFAULT_BIN = Path("build/llama.cpp/bin")
@@ -237,11 +238,11 @@ def _sweep(bin_dir, target, head, drafts, prompts, tokens, threads, n_ctx, logs,
 
 
 def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_tokens: int, threads: int,
-                     eos_ids, max_context: int, reference: list[list[int]] | None = None, baseline=None,
+                     eos_ids, max_context: int, reference: list[list[int]] | None = None, baselines=None,
                      log=lambda line: print(line, file=sys.stderr)) -> list[Row]:
-    """Vanilla and EAGLE-3 rows per target encoding (see the module docstring). `baseline(prompt, n)` ->
-    (ids, seconds) is eaglex vanilla, run in the same interleaved order; rows' speedups are against it (else
-    against each encoding's llama.cpp vanilla). `reference`: eaglex vanilla's outputs, to compare with."""
+    """Vanilla and EAGLE-3 rows per target encoding (see the module docstring). `baselines`: {engine name:
+    (prompt, n) -> (ids, seconds)}, eaglex vanilla, run in the same interleaved order; rows' speedups are against
+    the first (else against each encoding's llama.cpp vanilla). `reference`: eaglex vanilla's outputs."""
     from gguf import GGUFReader, Keys, LlamaFileType
 
     from eaglex.export.llamacpp import write_eagle3_gguf
@@ -292,8 +293,10 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
             except ModelError as err:
                 log(f"llama.cpp {e}: rows left out ({err})")
         calls = {k: (lambda p, n, s=s: s.complete(p, n)) for k, s in servers.items()}
-        if baseline is not None:
-            calls["eaglex"] = lambda p, n: (*baseline(p, n), {})
+        for name, b in (baselines or {}).items():
+            calls[("eaglex", name)] = lambda p, n, b=b: (*b(p, n), {})
+        first = ("eaglex", next(iter(baselines))) if baselines else None
+        alongside = Alongside()
         for call in calls.values():
             call(prompts[0], 8)                              # warm-up: allocations, page-in of the weights
         order = random.Random(0)
@@ -303,10 +306,12 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
             keys = list(calls)
             order.shuffle(keys)                              # no row always runs first or last
             got = {k: calls[k](p, limit) for k in keys}
+            for name in baselines or {}:
+                alongside.add(name, *got[("eaglex", name)][:2])
             for (e, method), t in tallies.items():
                 ids, sec, timings = got[(e, method)]
                 ids = _eos_stop(ids, limit, eos)
-                base = got["eaglex"][1] if baseline is not None else got[(e, "vanilla")][1]
+                base = got[first][1] if first else got[(e, "vanilla")][1]
                 ref = (reference[i] if reference is not None else None) if method == "vanilla" else \
                     _eos_stop(got[(e, "vanilla")][0], limit, eos)
                 t.add(ids, sec, timings, base, ref)
@@ -317,7 +322,8 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
                                                                       if spec else ""), enforced=False)
         r.requests, r.tokens, r.seconds, r.baseline_seconds = t.requests, t.tokens, t.seconds, t.base_seconds
         r.tau = round(t.tau, 3) if spec else 1.0
-        vs = "eaglex vanilla, run alongside" if baseline is not None else f"llama.cpp vanilla {e}"
+        r.alongside = alongside.rates()
+        vs = "eaglex vanilla, run alongside" if baselines else f"llama.cpp vanilla {e}"
         if spec:
             own_v = tallies[(e, "vanilla")]
             r.identical = t.same == t.requests

@@ -162,6 +162,31 @@ def test_the_probe_reports_how_the_child_died(monkeypatch, tmp_path):
     assert P._crash(tmp_path / "x.gguf", 1) is None
 
 
+@pytest.mark.parametrize("row, peer, alongside, expected", [
+    # (method, tokens/s, its engine's vanilla in the same section); (peer method, device, tokens/s); beside the peer
+    # an engine's vanilla over a peer row: that vanilla's rate beside the peer over the peer's rate
+    (("vanilla", 40.0, 40.0), ("vanilla", "cpu F32", 50.0), {"a": 60.0}, {"F32": 1.2}),
+    # a tree row: its ratio over its own vanilla (its section) times the vanilla's beside the peer
+    (("eagle3", 60.0, 40.0), ("eagle3", "cpu F32 +F32 head", 50.0), {"a": 60.0}, {"F32+E3": 1.8}),
+    # the section ran in a slow phase of the host: the same ratio over vanilla, the same answer
+    (("eagle3", 30.0, 20.0), ("eagle3", "cpu F32 +F32 head", 50.0), {"a": 60.0}, {"F32+E3": 1.8}),
+    (("eagle3", 60.0, 40.0), ("prompt-lookup", "cpu F32", 30.0), {"a": 45.0}, {"py lookup F32": 2.25}),
+    (("eagle3", 60.0, 40.0), ("greedy", "cpu Q8_0", 90.0), {"a": 45.0, "b": 1.0}, {"py Q8_0": 0.75}),
+    # a peer run without this engine beside it gives it no anchored ratio
+    (("eagle3", 60.0, 40.0), ("greedy", "cpu Q8_0", 80.0), {"b": 60.0}, None),
+])
+def test_anchored_ratios(row, peer, alongside, expected):
+    from eaglex.bench import anchor
+    method, rate, own_vanilla = row
+    rows = [{"engine": "a", "method": "vanilla", "tree": "-", "tokens_per_s": own_vanilla},
+            {"engine": "a", "method": method, "tree": "chain:3", "tokens_per_s": rate},
+            {"engine": "llama.cpp", "method": peer[0], "device": peer[1], "tokens_per_s": peer[2],
+             "alongside_tokens_per_s": alongside}]
+    anchor(rows)
+    assert rows[1].get("vs_llamacpp_anchored") == expected
+    assert "vs_llamacpp_anchored" not in rows[2]
+
+
 # --------------------------------------------------------------------------- with llama-cpp-python installed
 
 @pytest.fixture(scope="module")
@@ -213,6 +238,32 @@ def test_bench_cli_runs_the_llamacpp_rows(tiny_target, tmp_path, monkeypatch, ca
     assert {r["threads"] for r in mine} == {"llama.cpp 1"} and len(mine) == 4
     assert all(r["note"].endswith("e2e: vs eaglex vanilla, run alongside") and r["speedup"] > 0 for r in mine)
     assert "prompts identical to eaglex vanilla" in capsys.readouterr().out
+
+
+def test_every_engine_runs_beside_the_llamacpp_rows(tiny_target, tmp_path, capsys):
+    """With two engines, each one's vanilla runs interleaved with llama.cpp's rows: every llama.cpp row records
+    both rates, every eaglex row gets a ratio over every llama.cpp row, and the table prints them."""
+    from eaglex import bench
+    from eaglex.runtime.engine import open_models
+
+    src, folder = tiny_target
+    engines = [("one", open_models(folder, None)), ("two", open_models(folder, None))]
+    prompts = [[5, 6, 7, 8], list(range(3, 20))]
+    rows = bench.run(engines, prompts, [], 8, threads=1, llamacpp=P.resolve("auto", folder, gguf_hint=src),
+                     out=tmp_path / "b.json")
+    peers = [r for r in rows if r["engine"] == "llama.cpp"]
+    assert len(peers) == 4 and all(set(r["alongside_tokens_per_s"]) == {"one", "two"} for r in peers)
+    mine = {r["engine"]: r for r in rows if r["engine"] != "llama.cpp"}
+    labels = {"F32", "Q8_0", "source"}
+    assert {bench.peer_label(r) for r in peers} == {f"py {w}" for w in labels} | {"py lookup F32"}
+    for name, r in mine.items():
+        assert r["method"] == "vanilla" and set(r["vs_llamacpp_anchored"]) == {bench.peer_label(p) for p in peers}
+        for p in peers:     # a vanilla row over a peer row: its own rate beside that peer over the peer's
+            want = p["alongside_tokens_per_s"][name] / p["tokens_per_s"]
+            assert r["vs_llamacpp_anchored"][bench.peer_label(p)] == pytest.approx(want, abs=2e-3)
+    out = capsys.readouterr().out
+    assert "anchored on the engine's vanilla run beside llama.cpp" in out and "py lookup F32" in out
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == rows
 
 
 def test_a_file_llama_cpp_dies_on_loses_its_rows_only(tiny_target, monkeypatch):
