@@ -392,10 +392,11 @@ BATCH_MIN_REQUESTS = 4
 
 
 def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: int, max_new_tokens: int,
-              first: int = 0) -> tuple[float, list[Request]]:
+              first: int = 0) -> tuple[int, float, list[Request]]:
     """`size` requests (prompts cycled from index `first`) started together on `tree` (None: vanilla) in a batched
-    backend with at least `size` slots, run to the end -> (aggregate tokens/s after their admission, the requests in
-    submission order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
+    backend with at least `size` slots, run to the end -> (tokens decoded after their admission, the seconds that
+    took, the requests in submission order). Admission (the prefills) is the same whatever the tree, so it is not
+    timed."""
     gen = BatchedGenerator(backend, Schedule.fixed(tree))
     reqs = [gen.submit(prompts[(first + i) % len(prompts)], max_new_tokens) for i in range(size)]
     gen.step()
@@ -405,7 +406,7 @@ def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: 
     gen.run()
     seconds = time.perf_counter() - t
     tokens += sum(len(r.result.output_ids) for r in running)
-    return tokens / max(seconds, 1e-9), reqs
+    return tokens, seconds, reqs
 
 
 def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BATCH_SIZES,
@@ -413,9 +414,10 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
                   max_new_tokens: int = BATCH_TOKENS) -> tuple[Schedule, dict[int, dict[str, float]]]:
     """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
     of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
-    round, BATCH_MIN_REQUESTS requests each at least) and pick the schedule from the table (schedule_from). Once
-    vanilla batching wins at some B, larger sizes are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then only
-    while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
+    round, BATCH_MIN_REQUESTS requests each at least; a candidate's rate is its tokens over its seconds, all rounds
+    together) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger
+    sizes are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then
+    only while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
     wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
     not win at more; this keeps their cost to the sizes where they can win. Trees other than chains are left out
     for an engine exact with chains only (`exact_trees`).
@@ -432,22 +434,18 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
         last = table[max(table)] if table else None
         try_wide = last is None or max(last, key=last.get) in map(str, wide)
         shapes = [None] + ladder + (wide if try_wide else [])
-        runs: dict[str, list[float]] = {str(tree or "vanilla"): [] for tree in shapes}
+        tokens = {str(tree or "vanilla"): 0 for tree in shapes}
+        seconds = dict.fromkeys(tokens, 0.0)
         for r in range(-(-BATCH_MIN_REQUESTS // B)):
             for tree in shapes:
-                runs[str(tree or "vanilla")].append(run_batch(backend, tree, prompts, B, max_new_tokens, r * B)[0])
-        rates = {k: round(_harmonic_mean(v), 2) for k, v in runs.items()}
+                n, sec, _ = run_batch(backend, tree, prompts, B, max_new_tokens, r * B)
+                tokens[str(tree or "vanilla")] += n
+                seconds[str(tree or "vanilla")] += sec
+        rates = {k: round(n / seconds[k], 2) if seconds[k] else 0.0 for k, n in tokens.items()}
         table[B] = rates
         if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
             break
     return schedule_from(table), table
-
-
-def _harmonic_mean(rates: list[float]) -> float:
-    """The aggregate rate of rounds that decode the same number of tokens; a round that decoded none (every
-    request ended at its prefill) says nothing and is left out."""
-    rates = [r for r in rates if r > 0]
-    return len(rates) / sum(1 / r for r in rates) if rates else 0.0
 
 
 SCHEDULE_MARGIN = 0.05         # a tree must beat vanilla batching by this much: interleaved tuning runs differ ~±5 %

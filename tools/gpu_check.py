@@ -543,7 +543,8 @@ class Check:
                 try:
                     # the first pass runs every shape (captured as CUDA graphs when they recur), the second is timed
                     for i in range(2):
-                        rate, reqs = run_batch(backend, tree, prompts, size, max_new)
+                        tokens, seconds, reqs = run_batch(backend, tree, prompts, size, max_new)
+                        rate = tokens / max(seconds, 1e-9)
                         divs = [first_divergence(want[j], r.result.output_ids) for j, r in enumerate(reqs)]
                         bad = [{"request": j, "pass": i, "at": d,
                                 "margin": round(logit_margin(single, prompts[j] + want[j][:d]), 4)}
