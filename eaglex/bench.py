@@ -30,7 +30,7 @@ import time
 import torch
 
 from eaglex.base.fsio import write_json
-from eaglex.bench_row import Row
+from eaglex.bench_row import Row, peer_label
 from eaglex.llamacpp_peer import run_llamacpp_peers
 from eaglex.llamacpp_server import run_server_peers
 from eaglex.runtime.cost import DEFAULT_SIZES, CostSampler, interp
@@ -184,13 +184,6 @@ def _vanilla_call(engine, threads: int | None):
         r = vanilla.generate(p, n)
         return r.output_ids, r.seconds
     return call
-
-
-def peer_label(r: dict) -> str:
-    """A llama.cpp row's short name: its weights, +E3 for llama-server's EAGLE-3, py for llama-cpp-python's rows."""
-    weights = r["device"].split()[1]
-    return {"eagle3": f"{weights}+E3", "vanilla": weights, "greedy": f"py {weights}",
-            "prompt-lookup": f"py lookup {weights}"}.get(r["method"], f"{r['method']} {weights}")
 
 
 def anchor(rows: list[dict]) -> None:

@@ -94,3 +94,10 @@ class Alongside:
 
     def rates(self) -> dict[str, float]:
         return {k: round(self.tokens[k] / s, 2) for k, s in self.seconds.items() if s}
+
+
+def peer_label(r: dict) -> str:
+    """A llama.cpp row's short name: its weights, +E3 for llama-server's EAGLE-3, py for llama-cpp-python's rows."""
+    weights = r["device"].split()[1]
+    return {"eagle3": f"{weights}+E3", "vanilla": weights, "greedy": f"py {weights}",
+            "prompt-lookup": f"py lookup {weights}"}.get(r["method"], f"{r['method']} {weights}")

@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--spec-draft-p-min P, on the first 4 prompts against its vanilla); the fastest is "
                           "benched (default: n-max 2, 4, 8 x p-min 0, 0.5, 0.75; one setting: no sweep)")
     ben.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON results file")
+    ben.add_argument("--plot", type=Path, help="also draw the table as a PNG here: tokens/s per row and the "
+                                               "anchored ratios over llama.cpp (needs matplotlib: pip install -e "
+                                               "'.[bench]')")
 
     bld = sub.add_parser("build", help="export a target (+ EAGLE head) to an engine folder and check it")
     bld.add_argument("--target", type=Path, required=True, help="Hugging Face model folder of the target")
@@ -519,6 +522,13 @@ def cmd_bench(args) -> int:
     llamacpp, server = _llamacpp_from_args(args, engines)
     rows = bench.run(engines, prompts, trees, args.max_new_tokens, args.target, args.draft_lm, not args.no_peers,
                      args.threads or None, args.out, device=device, llamacpp=llamacpp, llamacpp_server=server)
+    if args.plot:
+        try:
+            from eaglex.bench_plot import plot_file
+            plot_file(args.out, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
     # llama.cpp rows report their agreement with vanilla without failing the run (identical_enforced false)
     return 0 if all(r["identical_to_vanilla"] or not r["identical_enforced"] for r in rows) else 1
 

@@ -187,6 +187,27 @@ def test_anchored_ratios(row, peer, alongside, expected):
     assert "vs_llamacpp_anchored" not in rows[2]
 
 
+def test_the_plot_draws_the_anchored_table_beside_the_rows(tmp_path):
+    """With llama.cpp rows the picture has two panels (tokens/s; the anchored ratios), without them one."""
+    import struct
+    from eaglex.bench import anchor
+    from eaglex.bench_plot import plot, row_label
+    rows = [{"engine": "ort:a", "method": "vanilla", "tree": "-", "tokens_per_s": 40.0, "tau": 1.0},
+            {"engine": "ort:a", "method": "eagle3", "tree": "chain:3 (tuned)", "tokens_per_s": 60.0, "tau": 1.9},
+            {"engine": "llama.cpp", "method": "eagle3", "tree": "n-max 8 / p-min 0.5", "device": "cpu F32 +F32 head",
+             "tokens_per_s": 50.0, "tau": 1.5, "alongside_tokens_per_s": {"ort:a": 45.0}}]
+    anchor(rows)
+    assert [row_label(r) for r in rows] == ["a vanilla", "a eagle3 chain:3 (tuned)", "llama.cpp F32+E3 8/0.5"]
+    width = {}
+    alone = [{k: v for k, v in r.items() if k != "vs_llamacpp_anchored"} for r in rows[:2]]
+    for name, got in (("both", rows), ("alone", alone)):
+        plot(got, tmp_path / f"{name}.png")
+        head = (tmp_path / f"{name}.png").read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        width[name] = struct.unpack(">I", head[16:20])[0]
+    assert width["both"] > 1.5 * width["alone"]
+
+
 # --------------------------------------------------------------------------- with llama-cpp-python installed
 
 @pytest.fixture(scope="module")

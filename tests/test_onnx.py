@@ -309,12 +309,13 @@ def test_cli_engine_generate_and_errors(engines, tmp_path, capsys):
 def test_cli_bench_engine(engines, tmp_path, capsys):
     """`eaglex bench` on an engine: vanilla + chain + tree rows, identical outputs, a cost model measured in rounds
     between the prompts, decode-phase speedups next to the prediction, and the load average recorded. The JSON's
-    folder need not exist yet (build/ on a fresh clone)."""
+    folder need not exist yet (build/ on a fresh clone). --plot draws it (atomically: no temporary file left)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": list(range(i, i + 6))}) + "\n" for i in range(3)))
-    out = tmp_path / "build" / "bench.json"
+    out, png = tmp_path / "build" / "bench.json", tmp_path / "plots" / "bench.png"
     assert main(["bench", "--engine", str(engines["llama-eagle3"]), "--prompts", str(prompts), "--trees",
-                 "chain:3,dynamic:8/5/3", "--max-new-tokens", "16", "--out", str(out)]) == 0
+                 "chain:3,dynamic:8/5/3", "--max-new-tokens", "16", "--out", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list(png.parent.iterdir()) == [png]
     d = json.loads(out.read_text())
     cm = d["cost_model"]["ort:llama-eagle3"]
     assert cm["rounds"] == 2 + 3 and set(cm["draft_ms"]) == {"1", "3", "10"}
