@@ -69,8 +69,12 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
 
 
 def plot_file(json_path: Path, png: Path) -> None:
-    """Plot a bench JSON file (`eaglex bench --out`)."""
-    run = json.loads(Path(json_path).read_text())
+    """Plot a bench JSON file (`eaglex bench --out`); ValueError in one line if it is not one."""
+    try:
+        run = json.loads(Path(json_path).read_text())
+        run["rows"][0]["tokens_per_s"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"{json_path}: not an `eaglex bench --out` file ({type(e).__name__}: {e})") from None
     m = run.get("machine", {})
     plot(run["rows"], Path(png), f"{run.get('prompts')} prompts × {run.get('max_new_tokens')} tokens, "
                                  f"{m.get('cpu', m.get('processor', ''))}".strip(", "))
@@ -79,4 +83,7 @@ def plot_file(json_path: Path, png: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m eaglex.bench_plot BENCH.json OUT.png")
-    plot_file(Path(sys.argv[1]), Path(sys.argv[2]))
+    try:
+        plot_file(Path(sys.argv[1]), Path(sys.argv[2]))
+    except ValueError as e:
+        sys.exit(f"error: {e}")

@@ -206,6 +206,11 @@ def test_the_plot_draws_the_anchored_table_beside_the_rows(tmp_path):
         assert head[:8] == b"\x89PNG\r\n\x1a\n"
         width[name] = struct.unpack(">I", head[16:20])[0]
     assert width["both"] > 1.5 * width["alone"]
+    from eaglex.bench_plot import plot_file
+    for text in ("{}", "not json", '{"rows": []}'):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match="not an `eaglex bench --out` file"):
+            plot_file(tmp_path / "bad.json", tmp_path / "bad.png")
 
 
 # --------------------------------------------------------------------------- with llama-cpp-python installed
