@@ -433,14 +433,13 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
     for B in sizes:
         last = table[max(table)] if table else None
         try_wide = last is None or max(last, key=last.get) in map(str, wide)
-        shapes = [None] + ladder + (wide if try_wide else [])
-        tokens = {str(tree or "vanilla"): 0 for tree in shapes}
-        seconds = dict.fromkeys(tokens, 0.0)
+        shapes = {str(tree or "vanilla"): tree for tree in [None] + ladder + (wide if try_wide else [])}
+        tokens, seconds = dict.fromkeys(shapes, 0), dict.fromkeys(shapes, 0.0)
         for r in range(-(-BATCH_MIN_REQUESTS // B)):
-            for tree in shapes:
+            for k, tree in shapes.items():
                 n, sec, _ = run_batch(backend, tree, prompts, B, max_new_tokens, r * B)
-                tokens[str(tree or "vanilla")] += n
-                seconds[str(tree or "vanilla")] += sec
+                tokens[k] += n
+                seconds[k] += sec
         rates = {k: round(n / seconds[k], 2) if seconds[k] else 0.0 for k, n in tokens.items()}
         table[B] = rates
         if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
