@@ -30,7 +30,7 @@ import time
 import torch
 
 from eaglex.base.fsio import write_json
-from eaglex.bench_row import Row, peer_label
+from eaglex.bench_row import Row, anchored_table, peer_label
 from eaglex.llamacpp_peer import run_llamacpp_peers
 from eaglex.llamacpp_server import run_server_peers
 from eaglex.runtime.cost import DEFAULT_SIZES, CostSampler, interp
@@ -205,10 +205,9 @@ def anchor(rows: list[dict]) -> None:
 
 def print_anchored(rows: list[dict]) -> None:
     """The anchored ratios (see `anchor`) as a table: eaglex rows down, llama.cpp rows across."""
-    mine = [r for r in rows if r.get("vs_llamacpp_anchored")]
+    mine, cols = anchored_table(rows)
     if not mine:
         return
-    cols = list(mine[0]["vs_llamacpp_anchored"])
     width = max(8, *(len(c) + 1 for c in cols))
     print("\neaglex row / llama.cpp row, anchored on the engine's vanilla run beside llama.cpp:")
     print(f"{'engine':<22} {'method':<10} {'tree':<28}" + "".join(f"{c:>{width}}" for c in cols))

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from eaglex.bench_row import peer_label
+from eaglex.bench_row import anchored_table, peer_label
 
 COLORS = {"llama.cpp": "tab:orange", "transformers": "tab:gray"}     # eaglex rows: tab:blue
 
@@ -31,8 +31,7 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r.get("tokens_per_s")]
-    mine = [r for r in rows if r.get("vs_llamacpp_anchored")]
-    cols = list(mine[0]["vs_llamacpp_anchored"]) if mine else []
+    mine, cols = anchored_table(rows)
     fig, axes = plt.subplots(1, 2 if cols else 1, figsize=(15 if cols else 8, 0.32 * len(rows) + 1.6),
                              squeeze=False)
     a = axes[0][0]

@@ -101,3 +101,10 @@ def peer_label(r: dict) -> str:
     weights = r["device"].split()[1]
     return {"eagle3": f"{weights}+E3", "vanilla": weights, "greedy": f"py {weights}",
             "prompt-lookup": f"py lookup {weights}"}.get(r["method"], f"{r['method']} {weights}")
+
+
+def anchored_table(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """The eaglex rows that carry anchored ratios (eaglex/bench.py `anchor`) and the llama.cpp rows they are over,
+    in the order first met: the table's rows and columns, printed or drawn."""
+    mine = [r for r in rows if r.get("vs_llamacpp_anchored")]
+    return mine, list(dict.fromkeys(c for r in mine for c in r["vs_llamacpp_anchored"]))

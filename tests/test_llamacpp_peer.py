@@ -187,6 +187,16 @@ def test_anchored_ratios(row, peer, alongside, expected):
     assert "vs_llamacpp_anchored" not in rows[2]
 
 
+def test_the_anchored_table_has_every_peer_any_row_was_beside():
+    """Columns: every llama.cpp row some eaglex row has a ratio over, in the order first met; rows without ratios
+    (llama.cpp's, transformers') are not in the table."""
+    from eaglex.bench_row import anchored_table
+    rows = [{"engine": "a", "vs_llamacpp_anchored": {"F32": 1.1}}, {"engine": "transformers"},
+            {"engine": "b", "vs_llamacpp_anchored": {"Q8_0": 1.3, "F32": 1.2}}, {"engine": "llama.cpp"}]
+    assert anchored_table(rows) == ([rows[0], rows[2]], ["F32", "Q8_0"])
+    assert anchored_table(rows[1:2]) == ([], [])
+
+
 def test_the_plot_draws_the_anchored_table_beside_the_rows(tmp_path):
     """With llama.cpp rows the picture has two panels (tokens/s; the anchored ratios), without them one."""
     import struct
