@@ -7,7 +7,7 @@ MODEL   ?= smollm2-135m
 BACKEND ?= onnxruntime
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all engine bench lint clean help
+.PHONY: setup test test-all engine bench clean help
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
