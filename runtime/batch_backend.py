@@ -124,6 +124,10 @@ class SlotCache:
         self.length[dst], self.pending[dst] = n, 0
         self.clear(src)
 
+    def rows(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's first n keys and values, [layers, Hkv, n, D] each (for tests and checks)."""
+        return self.k[:, slot, :, :n], self.v[:, slot, :, :n]
+
     def mask(self, rows: slice, starts: torch.Tensor, end: int, mask: torch.Tensor | None, n: int) -> torch.Tensor:
         """[B,1,N,end] bool on the cache's device: each row sees its committed rows, then `mask` over its pending +
         new rows."""
@@ -145,13 +149,16 @@ class SlotBackend:
     """What both batched backends share: a target and an optional draft SlotCache, one slot per request, and the
     slot half of the Backend protocol (runtime/backend.py) over them."""
 
-    def _allocate(self, backend, slots: int, extra_rows: int, draft_kv: tuple[int, int] | None,
-                  device: torch.device | str = "cpu") -> None:
-        """`draft_kv`: the draft's (kv heads, head dim), None without a head; `extra_rows`: room for one tree."""
+    def _init_slots(self, backend, slots: int) -> None:
         self.spec, self.draft_kind, self.dtype = backend.spec, backend.draft_kind, backend.dtype
         self.exact_trees = getattr(backend, "exact_trees", None)     # "chain": the engine is exact with chains only
         self.source = backend                # the backend whose models these slots run (cost.cost_curve reads it)
         self.slots = slots
+
+    def _allocate(self, backend, slots: int, extra_rows: int, draft_kv: tuple[int, int] | None,
+                  device: torch.device | str = "cpu") -> None:
+        """`draft_kv`: the draft's (kv heads, head dim), None without a head; `extra_rows`: room for one tree."""
+        self._init_slots(backend, slots)
         s, dt = self.spec, DTYPES[backend.dtype]
         cap = s.max_context + extra_rows
         self.tcache = SlotCache(s.num_layers, slots, s.num_kv_heads, s.head_dim, cap, dt, device)

@@ -35,13 +35,8 @@ from eaglex.base.errors import ModelError
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend
 from .ort_batch import OrtBatchBackend
-from .ort_cache import NP_DTYPES, OrtKVCache
+from .ort_cache import NP_DTYPES, OrtKVCache, kv_names
 from .ort_session import open_session, outputs, provider_device, u8s8_saturates
-
-
-def kv_names(layers: int) -> list[str]:
-    """The KV tensors of `layers` layers, as the graphs' past_<name> / present_<name> call them."""
-    return [f"{kv}_{i}" for i in range(layers) for kv in ("key", "value")]
 
 
 def _ov(a: np.ndarray) -> ort.OrtValue:

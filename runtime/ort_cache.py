@@ -30,14 +30,19 @@ from eaglex.models.target import causal_mask
 from .ort_session import provider_device, session_options
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-_ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+
+def kv_names(layers: int) -> list[str]:
+    """The KV tensors of `layers` layers, as the graphs' past_<name> / present_<name> call them."""
+    return [f"{kv}_{i}" for i in range(layers) for kv in ("key", "value")]
 
 
 def move_session(names: list[str], dtype: str, providers: list | None = None) -> ort.InferenceSession:
     """out_<name> = ScatterND(kv_<name>, dst [K,1], Gather(kv_<name>, src [K], axis 0)) for buffers [R,B,Hkv,D]:
     rows src copied to rows dst (Gather copies first, so the two may overlap); in place when out_<name> is bound to
     kv_<name>'s memory."""
-    t = _ONNX_DTYPES[dtype]
+    t = ONNX_DTYPES[dtype]
     shape = ["rows", "batch", "heads", "dim"]
     inputs = [helper.make_tensor_value_info(f"kv_{n}", t, shape) for n in names]
     inputs += [helper.make_tensor_value_info("src", TensorProto.INT64, ["keep"]),
@@ -87,7 +92,7 @@ class OrtKVCache:
 
     def _bind(self, io: ort.IOBinding, rows: int, inputs: str, outputs: str) -> None:
         """Bind each buffer's first `rows` rows as input `inputs`+name and output `outputs`+name."""
-        shape, kind, c = [rows, 1, self.heads, self.dim], _ONNX_DTYPES[self.dtype], io._iobinding
+        shape, kind, c = [rows, 1, self.heads, self.dim], ONNX_DTYPES[self.dtype], io._iobinding
         for name, ptr in zip(self.names, self.pointers):
             c.bind_input(inputs + name, self._c_device, kind, shape, ptr)
             c.bind_output(outputs + name, self._c_device, kind, shape, ptr)
