@@ -12,10 +12,8 @@ import platform
 import sys
 
 from eaglex.runtime.autotune import autotune
-from eaglex.runtime.batch import BATCH_CHAINS, BATCH_SIZES, BATCH_TOKENS, BATCH_TREES, tune_schedule
-from eaglex.runtime.batch_backend import batch_backend
+from eaglex.runtime.batch import BATCH_SIZES, BATCH_TOKENS, BATCH_TREES, tune_schedule
 from eaglex.runtime.cost import cost_curve, measure_curve
-from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
 
@@ -86,13 +84,11 @@ def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, w
     trees = batch_trees(engine.tree or engine.kept_tree)
     log(f"tuning in-flight batching (vanilla vs chains{''.join(f', {t}' for t in trees)} at "
         f"{', '.join(map(str, BATCH_SIZES))} requests, until vanilla wins) ...")
-    # Slots as long as the tuning requests need (the model's whole context in every slot could exceed the memory),
-    # with room for the largest tree after the last token, so that every candidate drafts to the end.
-    nodes = max([k + 1 for k in BATCH_CHAINS] + [t.max_nodes for t in trees])
-    context = max(len(p) for p in prompts) + BATCH_TOKENS + nodes
-    backend = batch_backend(BoundedContext(engine.backend, min(context, engine.spec.max_context)), max(BATCH_SIZES),
-                            nodes)
-    schedule, table = tune_schedule(backend, prompts, trees=trees)
+    # The rounds decode through Engine.batcher, as `generate --batch` and the server do, with slots as long as the
+    # tuning requests need (the model's whole context in every slot could exceed the memory).
+    context = min(max(len(p) for p in prompts) + BATCH_TOKENS, engine.spec.max_context)
+    schedule, table = tune_schedule(lambda size, s: engine.batcher(size, s, context=context), prompts, trees=trees,
+                                    chain_only=getattr(engine.backend, "exact_trees", None) == "chain")
     for size, row in table.items():
         log(f"  {size:>2} requests: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()) + " tokens/s")
     log(f"  -> {schedule}")

@@ -391,13 +391,13 @@ BATCH_TOKENS = 24              # new tokens per request while tuning
 BATCH_MIN_REQUESTS = 4
 
 
-def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: int, max_new_tokens: int,
-              first: int = 0) -> tuple[int, float, list[Request]]:
-    """`size` requests (prompts cycled from index `first`) started together on `tree` (None: vanilla) in a batched
-    backend with at least `size` slots, run to the end -> (tokens decoded after their admission, the seconds that
-    took, the requests in submission order). Admission (the prefills) is the same whatever the tree, so it is not
-    timed."""
-    gen = BatchedGenerator(backend, Schedule.fixed(tree))
+def run_batch(batcher: Callable[[int, Schedule], BatchedGenerator], tree: TreeConfig | None,
+              prompts: list[list[int]], size: int, max_new_tokens: int, first: int = 0) -> tuple[int, float, list[Request]]:
+    """`size` requests (prompts cycled from index `first`) started together on `tree` (None: vanilla) in the
+    generator `batcher(size, schedule)` makes (Engine.batcher: the one `generate --batch` and the server decode
+    with), run to the end -> (tokens decoded after their admission, the seconds that took, the requests in
+    submission order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
+    gen = batcher(size, Schedule.fixed(tree))
     reqs = [gen.submit(prompts[(first + i) % len(prompts)], max_new_tokens) for i in range(size)]
     gen.step()
     running = list(gen.active)
@@ -409,9 +409,10 @@ def run_batch(backend, tree: TreeConfig | None, prompts: list[list[int]], size: 
     return tokens, seconds, reqs
 
 
-def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BATCH_SIZES,
-                  chains: tuple[int, ...] = BATCH_CHAINS, trees: tuple[TreeConfig, ...] = BATCH_TREES,
-                  max_new_tokens: int = BATCH_TOKENS) -> tuple[Schedule, dict[int, dict[str, float]]]:
+def tune_schedule(batcher: Callable[[int, Schedule], BatchedGenerator], prompts: list[list[int]],
+                  sizes: tuple[int, ...] = BATCH_SIZES, chains: tuple[int, ...] = BATCH_CHAINS,
+                  trees: tuple[TreeConfig, ...] = BATCH_TREES, max_new_tokens: int = BATCH_TOKENS,
+                  chain_only: bool = False) -> tuple[Schedule, dict[int, dict[str, float]]]:
     """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
     of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
     round, BATCH_MIN_REQUESTS requests each at least; a candidate's rate is its tokens over its seconds, all rounds
@@ -420,16 +421,14 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
     only while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
     wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
     not win at more; this keeps their cost to the sizes where they can win. Trees other than chains are left out
-    for an engine exact with chains only (`exact_trees`).
-    `backend`: a batched backend with at least max(sizes) slots. -> (schedule, {B: {tree: tokens/s}})."""
-    ladder, wide = [], []
-    if backend.draft_kind:
-        chain_only = getattr(backend, "exact_trees", None) == "chain"
-        ladder = [TreeConfig.chain(k) for k in chains]
-        wide = [t for t in dict.fromkeys(trees) if t not in ladder and (t.kind == "chain" or not chain_only)]
+    for an engine exact with chains only (`chain_only`).
+    `batcher(B, schedule)`: a generator of at least B slots over a model with a draft head (Engine.batcher).
+    -> (schedule, {B: {tree: tokens/s}})."""
+    ladder = [TreeConfig.chain(k) for k in chains]
+    wide = [t for t in dict.fromkeys(trees) if t not in ladder and (t.kind == "chain" or not chain_only)]
     table: dict[int, dict[str, float]] = {}
     for tree in [None] + ladder + wide:             # warm-up: a first call of each candidate's shapes allocates
-        run_batch(backend, tree, prompts, 1, 4)
+        run_batch(batcher, tree, prompts, 1, 4)
     for B in sizes:
         last = table[max(table)] if table else None
         try_wide = last is None or max(last, key=last.get) in map(str, wide)
@@ -437,7 +436,7 @@ def tune_schedule(backend, prompts: list[list[int]], sizes: tuple[int, ...] = BA
         tokens, seconds = dict.fromkeys(shapes, 0), dict.fromkeys(shapes, 0.0)
         for r in range(-(-BATCH_MIN_REQUESTS // B)):
             for k, tree in shapes.items():
-                n, sec, _ = run_batch(backend, tree, prompts, B, max_new_tokens, r * B)
+                n, sec, _ = run_batch(batcher, tree, prompts, B, max_new_tokens, r * B)
                 tokens[k] += n
                 seconds[k] += sec
         rates = {k: round(n / seconds[k], 2) if seconds[k] else 0.0 for k, n in tokens.items()}

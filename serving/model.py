@@ -300,7 +300,7 @@ class _Batching:
     in-flight batcher, steps it while anything is queued or decoding, and answers each request as it finishes."""
 
     def __init__(self, model: TritonPythonModel, max_batch: int, max_queue: int, context: int):
-        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.model, self.max_batch, self.max_queue, self.context = model, max_batch, max_queue, context
         engine = model.engine
         self.schedule = engine.batch_schedule().alone(engine.tree)     # alone: the engine's own tree, as generate
         self.gen = engine.batcher(max_batch, self.schedule, context=context)
@@ -436,4 +436,4 @@ class _Batching:
             except Exception:  # noqa: BLE001 - tell the others even if one cannot be told
                 pb_utils.Logger.log_warn(f"eaglex: could not fail a request: {traceback.format_exc()}")
         if code == "INTERNAL":
-            self.gen = self.model.engine.batcher(self.max_batch, self.schedule)
+            self.gen = self.model.engine.batcher(self.max_batch, self.schedule, context=self.context)

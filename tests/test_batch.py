@@ -229,15 +229,13 @@ def test_tuning_measures_wide_trees_only_while_they_win(speeds, exact_trees, mea
     """tune_schedule's candidates, with measured speeds replaced by a table: vanilla and the chains at every size
     until vanilla wins, the wider trees at the first size and then only where one of them was fastest at the size
     before."""
-    from types import SimpleNamespace
     runs = []
 
-    def fake(backend, tree, prompts, size, max_new_tokens, first=0):
+    def fake(batcher, tree, prompts, size, max_new_tokens, first=0):
         runs.append((str(tree or "vanilla"), max_new_tokens, size, first))
         return speeds[size][str(tree or "vanilla")], 1.0, []
     monkeypatch.setattr(batch_mod, "run_batch", fake)
-    backend = SimpleNamespace(draft_kind="eagle3", exact_trees=exact_trees)
-    schedule, table = batch_mod.tune_schedule(backend, [[1]], chains=(2,), trees=WIDE)
+    schedule, table = batch_mod.tune_schedule(None, [[1]], chains=(2,), trees=WIDE, chain_only=exact_trees == "chain")
     assert str(schedule) == expected and table == {b: speeds[b] for b in measured}
     assert {b: len(row) for b, row in table.items()} == measured
     warm = len(speeds[1])                                      # first every candidate once, for 4 tokens
@@ -253,13 +251,12 @@ def test_tuning_rates_over_rounds_are_tokens_over_seconds(monkeypatch):
     """A batch of one runs BATCH_MIN_REQUESTS rounds, one prompt each: a candidate that flies on one prompt and
     crawls on three is rated by its tokens over its time, not by its fast round; a round cut short by EOS counts the
     tokens it decoded, and one that decoded none only its time."""
-    from types import SimpleNamespace
     rounds = {"vanilla": [(40, 1.0), (40, 1.0), (40, 1.0), (40, 1.0)],
               "chain:2": [(24, 0.15), (32, 1.0), (32, 1.0), (0, 0.01)]}     # 160, 32, 32 tokens/s, nothing
     monkeypatch.setattr(batch_mod, "run_batch",
-                        lambda backend, tree, prompts, size, n, first=0: (*rounds[str(tree or "vanilla")][first], []))
-    schedule, table = batch_mod.tune_schedule(SimpleNamespace(draft_kind="eagle3", exact_trees="chain"),
-                                              [[1], [2], [3], [4]], sizes=(1,), chains=(2,), trees=())
+                        lambda batcher, tree, prompts, size, n, first=0: (*rounds[str(tree or "vanilla")][first], []))
+    schedule, table = batch_mod.tune_schedule(None, [[1], [2], [3], [4]], sizes=(1,), chains=(2,), trees=(),
+                                              chain_only=True)
     assert table == {1: {"vanilla": 40.0, "chain:2": round(88 / 2.16, 2)}} and str(schedule) == "1:vanilla"
 
 

@@ -460,6 +460,33 @@ def test_max_context_sizes_the_batch_slots_and_the_requests(checkpoint, referenc
         mod.serving_context(engine, 0, 400)
 
 
+def test_a_failed_step_restarts_with_slots_of_the_same_context(checkpoint, reference, tmp_path, monkeypatch):
+    """After a batch step fails, the fresh batcher's slots keep the serving context (max_context), not the model's
+    whole context (which would escape the memory cap the slots were sized by); the next request decodes as before."""
+    run_vanilla, _ = reference
+    model = load_in_process(write_repository(checkpoint, tmp_path / "repo", threads=1, max_batch=4, max_context=40))
+    try:
+        batching = model.batching
+        before = batching.gen.backend.spec.max_context
+        assert before == 40
+
+        def failing():
+            raise RuntimeError("boom")
+        monkeypatch.setattr(batching.gen, "step", failing)
+        broken = FakeRequest(text_input="hello", max_tokens=5)
+        model.execute([broken])
+        assert broken.result()["error"] == "INTERNAL"
+        deadline = time.monotonic() + 30          # the engine thread answers the jobs, then starts over
+        while batching.gen.step is failing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batching.gen.step is not failing and batching.gen.backend.spec.max_context == 40
+        ok = FakeRequest(text_input="hello", max_tokens=20)
+        model.execute([ok])
+        assert ok.result()["error"] is None and ok.result()["ids"] == run_vanilla("hello", 20)
+    finally:
+        model.finalize()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(models, tmp_path_factory):
     """target/ (Llama fixture + char tokenizer with a chat template) and draft/ (EAGLE-3 head): the layout the model

@@ -50,7 +50,7 @@ def measured(monkeypatch):
         rows = [TuneRow(None, 10 / vanilla, 10, 1.0, True), TuneRow(BEST, 10 / tree, 10, 2.0, True),
                 TuneRow(OTHER, 10 / (tree / 2), 10, 2.5, True)]
         monkeypatch.setattr(tune_mod, "autotune", lambda *a, **k: (BEST, rows))
-    monkeypatch.setattr(tune_mod, "tune_schedule", lambda backend, prompts, **kw: (SCHEDULE, {1: {"vanilla": 1.0}}))
+    monkeypatch.setattr(tune_mod, "tune_schedule", lambda batcher, prompts, **kw: (SCHEDULE, {1: {"vanilla": 1.0}}))
     return set_speeds
 
 
@@ -291,3 +291,35 @@ def test_autotune_runoff_reruns_the_fastest_shapes_and_decides_over_all_prompts(
 def test_batch_tuning_tries_the_engines_tree_and_smaller_dynamic_ones(own, expected):
     from eaglex.engines.tune import batch_trees
     assert [str(t) for t in batch_trees(TreeConfig.parse(own) if own else None)] == expected
+
+
+def test_batch_tuning_decodes_through_the_engines_batcher(fresh, prompts, monkeypatch):
+    """The rounds batch tuning times run the generator `generate --batch` and the server run (Engine.batcher,
+    with slots sized to the tuning requests), so the stored schedule is a measurement of the product; every
+    request a round decodes is vanilla's output."""
+    from eaglex.runtime.engine import Engine
+    engine = open_engine(fresh, tree=BEST)
+    calls, reqs = [], []
+    real = Engine.batcher
+
+    def spy(self, max_batch, schedule=None, context=None):
+        calls.append((max_batch, str(schedule), context))
+        gen = real(self, max_batch, schedule, context)
+        submit = gen.submit
+        gen.submit = lambda *a, **k: reqs.append(submit(*a, **k)) or reqs[-1]
+        return gen
+    monkeypatch.setattr(Engine, "batcher", spy)
+    manifest = {}
+    tune_mod.tune_batching(engine, prompts[:4], manifest, log=lambda *_: None, write=False)
+    context = max(len(p) for p in prompts[:4]) + tune_mod.BATCH_TOKENS
+    assert calls and all(c == context for _, _, c in calls)
+    assert {s for b, s, _ in calls if b == 1} == {f"1:{t}" for t in ("vanilla", "chain:1", "chain:2", "chain:3",
+                                                                     "chain:4")}
+    assert manifest["batch_schedule"] and set(manifest["tuning"]["batch"]) <= {"1", "2", "4", "8", "16"}
+    alone = VanillaGenerator(engine.backend)
+    want = {}
+    for r in reqs:
+        key = (tuple(r.input_ids), r.max_new_tokens)
+        if key not in want:
+            want[key] = alone.generate(r.input_ids, r.max_new_tokens).output_ids
+        assert r.done and r.error is None and r.result.output_ids == want[key]

@@ -509,7 +509,7 @@ class Check:
 
     # ---- batched (in-flight batching on the device)
     def phase_batched(self):
-        from eaglex.runtime.batch import chain_for, run_batch, schedule_from
+        from eaglex.runtime.batch import BatchedGenerator, chain_for, run_batch, schedule_from
         from eaglex.runtime.batch_backend import batch_backend
         from eaglex.runtime.engine import BoundedContext
         from eaglex.runtime.equivalence import first_divergence, logit_margin
@@ -543,7 +543,8 @@ class Check:
                 try:
                     # the first pass runs every shape (captured as CUDA graphs when they recur), the second is timed
                     for i in range(2):
-                        tokens, seconds, reqs = run_batch(backend, tree, prompts, size, max_new)
+                        tokens, seconds, reqs = run_batch(lambda _, s: BatchedGenerator(backend, s), tree, prompts,
+                                                          size, max_new)
                         rate = tokens / max(seconds, 1e-9)
                         divs = [first_divergence(want[j], r.result.output_ids) for j, r in enumerate(reqs)]
                         bad = [{"request": j, "pass": i, "at": d,
