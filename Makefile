@@ -46,7 +46,8 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 
 # The default model, SmolLM2-135M-Instruct, against its peers on the same weights: transformers (greedy, prompt
 # lookup) and llama.cpp (llama-cpp-python built from source here, ~6 min once: the GGUF file itself, F32 and Q8_0
-# copies, prompt lookup; built without -march=native: ggml's AMX kernels crash on quantized models here; and
+# copies, prompt lookup; built for this CPU as users build it, native, or on a CPU with AMX every other extension
+# and AMX off (ggml's AMX kernels crashed on quantized models): eaglex/llamacpp_build.py; and
 # llama-server vanilla and with its own EAGLE-3 at its best swept draft settings), next to eaglex ORT engines with the EAGLE-3 head (fp32, int8, w8a8, fp8) and the EAGLE-1/2 head.
 # Engines are built and tuned (eaglex tune, on $(SMOL)/tuning.jsonl: hand-written, apart from the bench's prompts) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs, slower than float32 (2026-12-04: 35 against 45 tokens/s), so it is out by default.
@@ -78,7 +79,7 @@ smol_engine = $(BIN)/python -c "from eaglex.runtime.manifest import read_manifes
 bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformers and llama.cpp ($(SMOL_OUT), .png)
 	[ -d engines/smollm2-135m ] || $(MAKE) engine MODEL=smollm2-135m
 	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" $(BIN)/pip install -q $(LLAMACPP) \
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$$($(BIN)/python -m eaglex.llamacpp_build)" $(BIN)/pip install -q $(LLAMACPP) \
 		|| echo "make bench: llama-cpp-python did not build here: the llama.cpp rows are left out"
 	$(if $(filter fp8,$(SMOL_QUANT)),[ -d engines/smollm2-135m-fp8 ] || [ -d $(SMOL_CAL) ] || \
 		$(BIN)/eaglex calibrate --target $(SMOL_GGUF) --out $(SMOL_CAL) --data builtin-chat)

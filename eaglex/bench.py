@@ -170,8 +170,9 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r.get('draft_ms_per_cycle'), '9.2f')} {fmt(r.get('verify_ms_per_cycle'), '9.2f')} "
               f"{fmt(r.get('other_ms_per_cycle'), '9.2f')}")
     for r in rows:
-        if r.get("note"):
-            print(f"  {r['engine']} {r['method']} ({r['device']}): {r['note']}")
+        if r.get("note") or r.get("build"):
+            built = f"built with {r['build']}" if r.get("build") else ""
+            print(f"  {r['engine']} {r['method']} ({r['device']}): {'; '.join(filter(None, (r.get('note'), built)))}")
 
 
 def _vanilla_call(engine, threads: int | None):

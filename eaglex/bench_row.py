@@ -33,6 +33,7 @@ class Row:
     note: str = ""
     tau: float | None = None     # a peer's own count of tokens per target forward (llama-server's timings)
     alongside: dict[str, float] = field(default_factory=dict)   # a peer row: eaglex vanillas' tokens/s beside it
+    build: str = ""              # a peer row: how the peer was built (llama.cpp: the CPU features it compiled in)
 
     def add(self, r, baseline) -> None:
         """Accumulate one eaglex GenerationResult `r` and the vanilla result `baseline` of the same prompt."""
@@ -78,6 +79,7 @@ class Row:
                 "predicted_speedup": self.predicted_speedup,
                 "measured_over_predicted": ratio(decode_speedup, self.predicted_speedup),
                 **({"alongside_tokens_per_s": self.alongside} if self.alongside else {}),
+                **({"build": self.build} if self.build else {}),
                 **({"note": self.note} if self.note else {})}
 
 

@@ -26,11 +26,13 @@ from pathlib import Path
 
 from eaglex.base.errors import ModelError
 from eaglex.bench_row import Alongside, Row
+from eaglex.llamacpp_build import compiled_features
 from eaglex.models.gguf import MARKER, default_cache_dir, file_sha256, inspect_gguf, is_gguf_path
 
-INSTALL = "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36"
+INSTALL = 'CMAKE_ARGS="$(python -m eaglex.llamacpp_build)" pip install llama-cpp-python==0.3.36'
 NO_AMX = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON "
-          "-DGGML_AVX512_VNNI=ON' pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
+          "-DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF' pip install "
+          "--force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
 # Loads a file and decodes a batch and one token: what the rows do, in a child process (see _crash)
 PROBE = ("import sys; from llama_cpp import Llama; n = int(sys.argv[2]); "
          "m = Llama(sys.argv[1], n_ctx=64, n_threads=n, n_threads_batch=n, verbose=False); m.eval([1, 2, 3, 4]); "
@@ -238,8 +240,11 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
         for k, r in rows.items():
             why = "" if k[1] == "F32" else f" ({k[1]} weights: expected to differ)"
             r.note = f"{same[k]}/{len(prompts)} prompts identical to eaglex vanilla{why}"
+    import llama_cpp
+    build = " ".join(compiled_features("system_info: " + llama_cpp.llama_print_system_info().decode(errors="replace")))
     for r in rows.values():
         r.alongside = alongside.rates()
+        r.build = build
         vs = "eaglex vanilla, run alongside" if baselines else "llama.cpp greedy " + base[1]
         r.note = "; ".join(filter(None, (r.note, f"e2e: vs {vs}")))
     return list(rows.values())

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from eaglex.base.errors import ModelError
 from eaglex.bench_row import Alongside, Row
+from eaglex.llamacpp_build import compiled_features
 
 BUILD = "tools/build_llamacpp.sh"
 DEFAULT_BIN = Path("build/llama.cpp/bin")
@@ -315,6 +316,7 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
                 ref = (reference[i] if reference is not None else None) if method == "vanilla" else \
                     _eos_stop(got[(e, "vanilla")][0], limit, eos)
                 t.add(ids, sec, timings, base, ref)
+    builds = {k: " ".join(compiled_features(s.log.read_text(errors="replace"))) for k, s in servers.items()}
     for (e, method), t in tallies.items():
         spec = method == "eagle3"
         r = Row("llama.cpp", "eagle3" if spec else "vanilla", str(chosen[e]) if spec else "-",
@@ -323,6 +325,7 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
         r.requests, r.tokens, r.seconds, r.baseline_seconds = t.requests, t.tokens, t.seconds, t.base_seconds
         r.tau = round(t.tau, 3) if spec else 1.0
         r.alongside = alongside.rates()
+        r.build = builds.get((e, method), "")
         vs = "eaglex vanilla, run alongside" if baselines else f"llama.cpp vanilla {e}"
         if spec:
             own_v = tallies[(e, "vanilla")]
