@@ -87,9 +87,15 @@ bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformer
 	$(BIN)/eaglex bench --target $(SMOL_GGUF) --draft $(SMOL)/eagle3 --no-torch --engine engines/smollm2-135m \
 		--engine engines/smollm2-135m-eagle1 $(SMOL_QUANT:%=--engine engines/smollm2-135m-%) \
 		--prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
-		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --out $(SMOL_OUT) --plot $(SMOL_OUT:.json=.png)
+		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --batch-sizes $(BENCH_BATCH) \
+		--out $(SMOL_OUT) --plot $(SMOL_OUT:.json=.png)
+	$(BIN)/python -m eaglex.bench_guard $(SMOL_OUT)
 
 BENCH_OUT ?= build/bench.json
+# Every engine with a head is also decoded through in-flight batching at these sizes (vanilla and its batch
+# schedule, beside batch tuning's figures); then the bench guard prints any ratio that fell below its record in
+# docs/bench_ratios.json (never failing: `python -m eaglex.bench_guard RUN.json --record` stores a new record).
+BENCH_BATCH ?= 1,4,16
 # Quantized engines of the embedded default, benched after engines/tiny in the same table (rows ort:tiny-Q) and built
 # when absent: int8 (weight-only) from the target alone, fp8 from the scales of `eaglex calibrate` on the held-out
 # corpus, kept in $(BENCH_TINY_CAL) (calibrated when absent). BENCH_TINY_QUANT= leaves them out.
@@ -122,7 +128,8 @@ bench-tiny: $(STAMP)  ## the embedded tiny default with its quantized engines an
 		$(BIN)/eaglex bench --target models/tiny/target --draft models/tiny/eagle3 --engine engines/tiny \
 			$(BENCH_TINY_QUANT:%=--engine engines/tiny-%) \
 			--draft-lm models/tiny/draft_lm --prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS) \
-			--out $(BENCH_OUT) --plot $(BENCH_OUT:.json=.png); \
+			--batch-sizes $(BENCH_BATCH) --out $(BENCH_OUT) --plot $(BENCH_OUT:.json=.png) && \
+		$(BIN)/python -m eaglex.bench_guard $(BENCH_OUT); \
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
 
 bench-big: $(STAMP)  ## the seeded memory-bound 0.5B target ($(BENCH_BIG_OUT))

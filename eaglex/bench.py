@@ -228,16 +228,20 @@ def _tuned_label(engine, tree: TreeConfig) -> str:
 
 def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
-        device: str = "cpu", dtype: str = "float32", llamacpp=None, llamacpp_server=None) -> list[dict]:
+        device: str = "cpu", dtype: str = "float32", llamacpp=None, llamacpp_server=None,
+        batch_sizes: tuple[int, ...] = ()) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
     every tree (None = the engine's own tree, measured for this run only if it was never tuned; where tuning chose
     vanilla, the head's kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the
     llama.cpp peers with `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server`
-    (a llamacpp_server.ServerPeerConfig). Prints the table, writes the JSON to `out`, returns the rows."""
+    (a llamacpp_server.ServerPeerConfig); with `batch_sizes`, each engine with a head also through in-flight
+    batching at those sizes (eaglex/bench_batch.py, JSON `batched`). Prints the tables, writes the JSON to `out`,
+    returns the rows."""
+    from eaglex.bench_batch import print_batched, run_batched
     from eaglex.engines.tune import tune_engine
 
     load_start = [round(x, 2) for x in os.getloadavg()]
-    rows, cost_models, reference = [], {}, None
+    rows, cost_models, reference, batched = [], {}, None, []
     for name, engine in engines:
         policy = set_threads(threads, onnxruntime=engine.layout == "engine")
         label = ", ".join(f"{k} {v}" for k, v in policy.items())
@@ -267,6 +271,8 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         for row in got:
             row.threads, row.device = label, where
         rows += [r.as_dict() for r in got]
+        if batch_sizes and engine.draft_kind and engine.layout != "bundle":
+            batched += run_batched(name, engine, prompts, tuple(batch_sizes), max_new_tokens)
         if reference is None and (target_dir is not None and peers or llamacpp or llamacpp_server):
             reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
     if target_dir is not None and peers:
@@ -292,8 +298,10 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         r["vs_hf_greedy"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3) if hf and r["tokens_per_s"] else None
     print_table(rows)
     print_anchored(rows)
+    print_batched(batched, len(prompts), max_new_tokens)
     if out is not None:
         write_json(out, {"machine": {**machine(), "load_average_at_start": load_start}, "prompts": len(prompts),
-                         "max_new_tokens": max_new_tokens, "cost_model": cost_models, "rows": rows})
+                         "max_new_tokens": max_new_tokens, "cost_model": cost_models, "rows": rows,
+                         **({"batched": batched} if batched else {})})
         print(f"wrote {out}")
     return rows

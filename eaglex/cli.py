@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="llama.cpp EAGLE-3 draft settings swept per target (--spec-draft-n-max N / "
                           "--spec-draft-p-min P, on the first 4 prompts against its vanilla); the fastest is "
                           "benched (default: n-max 2, 4, 8 x p-min 0, 0.5, 0.75; one setting: no sweep)")
+    ben.add_argument("--batch-sizes", metavar="B,...",
+                     help="also decode every prompt through in-flight batching (generate --batch B) at these sizes, "
+                          "vanilla and the engine's batch schedule, beside batch tuning's figures, e.g. 1,4,16 "
+                          "(engines with a head; JSON 'batched'; default: none)")
     ben.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON results file")
     ben.add_argument("--plot", type=Path, help="also draw the table as a PNG here: tokens/s per row and the "
                                                "anchored ratios over llama.cpp (needs matplotlib: pip install -e "
@@ -519,9 +523,11 @@ def cmd_bench(args) -> int:
         raise ModelError("give --target (torch rows) and/or --engine DIR")
     prompts = read_prompts(args.prompts, load_tokenizer(args.target) or engines[0][1].tokenizer)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    sizes = _batch_sizes(args.batch_sizes)
     llamacpp, server = _llamacpp_from_args(args, engines)
     rows = bench.run(engines, prompts, trees, args.max_new_tokens, args.target, args.draft_lm, not args.no_peers,
-                     args.threads or None, args.out, device=device, llamacpp=llamacpp, llamacpp_server=server)
+                     args.threads or None, args.out, device=device, llamacpp=llamacpp, llamacpp_server=server,
+                     batch_sizes=sizes)
     if args.plot:
         try:
             from eaglex.bench_plot import plot_file
@@ -531,6 +537,19 @@ def cmd_bench(args) -> int:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
     # llama.cpp rows report their agreement with vanilla without failing the run (identical_enforced false)
     return 0 if all(r["identical_to_vanilla"] or not r["identical_enforced"] for r in rows) else 1
+
+
+def _batch_sizes(text: str | None) -> tuple[int, ...]:
+    """--batch-sizes "1,4,16" -> (1, 4, 16), ascending; a bad spelling is one ModelError line."""
+    if not text:
+        return ()
+    try:
+        sizes = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ModelError(f"--batch-sizes takes request counts >= 1, e.g. 1,4,16; got {text!r}")
+    return tuple(sizes)
 
 
 def _llamacpp_from_args(args, engines):

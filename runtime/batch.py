@@ -384,7 +384,10 @@ BATCH_CHAINS = (1, 2, 3, 4)
 # Trees tried beside the chains (with the engine's own single-request tree, engines/tune.py): the smallest dynamic
 # tree of the single-request ladder (runtime/autotune.py), the cheapest tree that still branches.
 BATCH_TREES = (TreeConfig.parse("dynamic:6/4/2"),)
-BATCH_TOKENS = 24              # new tokens per request while tuning
+# New tokens per request while tuning: an answer's body, not just its opening. At 24 tokens the tiny default measured
+# chain:6 alone no faster than vanilla and picked vanilla from 4 requests on, where its 256-token requests run chain:6
+# alone 1.8x vanilla and speculation still pays at 16 (eaglex bench --batch-sizes).
+BATCH_TOKENS = 96
 # Requests each candidate decodes per batch size at least, in rounds of B (prompts rotated): one request alone
 # measures its prompt's acceptance, not the family's (on SmolLM2 a batch of one on a code prompt ran chain:4 at 3.6x
 # vanilla, where the single-request ladder over 8 prompts measured 1.7x).

@@ -640,3 +640,28 @@ def test_requests_joining_a_request_alone_batch_next_to_it(ort_engine, prompts):
     gen.run()
     assert isinstance(solo_fail.error, RuntimeError) and solo_fail.result.stop_reason == "error"
     assert gen.idle
+
+
+def test_bench_batched_rows_run_generate_batch_and_match_vanilla(ort_engine, prompts):
+    """`eaglex bench --batch-sizes`: per B, vanilla batching and the engine's schedule through Engine.generate(batch=B),
+    every output the one-at-a-time vanilla one, the tree the schedule runs at B named, B=1 the reference."""
+    from eaglex.bench_batch import run_batched
+    rows = run_batched("ort", ort_engine, prompts[:6], (1, 3), 12)
+    schedule = ort_engine.speculative().batch_schedule().alone(ort_engine.speculative().tree)
+    assert [r["requests"] for r in rows] == [1, 3]
+    assert [r["tree"] for r in rows] == [str(schedule.tree(1)), str(schedule.tree(3) or "vanilla")]
+    assert all(r["identical"] == "12/12" and r["vanilla_tokens_per_s"] > 0 and r["schedule_tokens_per_s"] > 0
+               for r in rows)
+    assert rows[0]["over_one_at_a_time"] == 1.0
+
+
+@pytest.mark.parametrize("text, sizes", [("1,4,16", (1, 4, 16)), ("16, 4,4", (4, 16)), (None, ()), ("0", None),
+                                         ("a,b", None), (",", None)])
+def test_bench_batch_sizes_option(text, sizes):
+    from eaglex.base.errors import ModelError
+    from eaglex.cli import _batch_sizes
+    if sizes is None:
+        with pytest.raises(ModelError, match="--batch-sizes"):
+            _batch_sizes(text)
+    else:
+        assert _batch_sizes(text) == sizes
