@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create .venv and install eaglex with its pinned dependencies
 
-test: $(STAMP)   ## run the test suite CI runs (slow extras skipped)
+test: $(STAMP)   ## lint (ruff: pyflakes + import order), then the test suite CI runs (slow extras skipped)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-all: $(STAMP)  ## run every test, slow ones included

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from eaglex.base.errors import ModelError
 
-
 # Demo and check prompts for presets without a prompt file of their own: code openings, which the embedded default
 # (trained on Python sources) continues sensibly and which every chat model can complete.
 BUILTIN_PROMPTS = (

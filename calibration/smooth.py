@@ -26,6 +26,7 @@ def activation_max(target_dir, samples: int = SMOOTH_SAMPLES, seq_len: int = SMO
     the Hugging Face model folder `target_dir`. `data`: calibration/data.py's sources (text ones need the folder's
     tokenizer; a JSONL of input_ids does not)."""
     from eaglex.base.prompts import has_tokenizer, load_tokenizer
+
     from .fp8 import load_for_calibration
     from .memory import Placement
 

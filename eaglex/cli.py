@@ -423,8 +423,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from eaglex.runtime.equivalence import (check_distribution, check_identical, format_batched, format_distribution,
-                                            format_identical)
+    from eaglex.runtime.equivalence import (
+        check_distribution,
+        check_identical,
+        format_batched,
+        format_distribution,
+        format_identical,
+    )
 
     engine = open_from_args(args)
     kept = getattr(engine, "kept_tree", None)          # set where tuning chose vanilla; a bundle has none

@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eaglex.base.errors import ModelError
+
 from .target import Target, eagle3_taps, rope
 
 

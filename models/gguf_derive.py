@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
+
 from .gguf import _one_line, file_sha256, inspect_gguf
 
 ENCODINGS = ("F32", "Q8_0")

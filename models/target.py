@@ -9,7 +9,6 @@ It owns no cache and knows nothing about trees beyond the mask.
 from __future__ import annotations
 
 import copy
-
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path

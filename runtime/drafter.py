@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .device import host, to_device
 from .cost import CostCurve
+from .device import host, to_device
 from .tree import chain_tree, cost_size, next_frontier, select_dynamic, static_plan, tree_from_parents
 from .types import DraftTip, DraftTree, TreeConfig
 

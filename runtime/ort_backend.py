@@ -32,8 +32,8 @@ import torch
 
 from eaglex.base.errors import ModelError
 
-from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .backend import CachedBackend
+from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .ort_batch import OrtBatchBackend
 from .ort_cache import NP_DTYPES, OrtKVCache, kv_names
 from .ort_session import open_session, outputs, provider_device, u8s8_saturates

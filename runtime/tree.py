@@ -15,12 +15,10 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 from .device import host
 from .types import MC_SIM_7B_63, PLACEHOLDER, DraftTree
-
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:

@@ -32,10 +32,30 @@ from eaglex.base.fsio import write_json
 
 from .config import ADMIN_KEY, API_KEY_ENV, PID, SERVER_LOG, STATE, ServeConfig, read_json
 from .front import Front
-from .processes import (alive, cmdline, describe_exit, die_with_parent, group_pids, proc_stat, remove_shm, shm_files,
-                        stop_group, stubs)
-from .tritonserver import (ADMIN_HEADER, HOST, STUB, TritonUnavailable, command, free_port, http, prepare_backends,
-                           server_env, triton_root)
+from .processes import (
+    alive,
+    cmdline,
+    describe_exit,
+    die_with_parent,
+    group_pids,
+    proc_stat,
+    remove_shm,
+    shm_files,
+    stop_group,
+    stubs,
+)
+from .tritonserver import (
+    ADMIN_HEADER,
+    HOST,
+    STUB,
+    TritonUnavailable,
+    command,
+    free_port,
+    http,
+    prepare_backends,
+    server_env,
+    triton_root,
+)
 
 
 class Supervisor:

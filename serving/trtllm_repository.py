@@ -25,7 +25,6 @@ from pathlib import Path
 
 from eaglex.base.errors import ModelError
 from eaglex.base.fsio import check_out, staged
-
 from eaglex.engines import trtllm
 from eaglex.engines import trtllm_upstream as upstream
 

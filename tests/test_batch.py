@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+
 from eaglex.models.target import causal_mask
 from eaglex.runtime import batch as batch_mod
 from eaglex.runtime.batch import SCHEDULE_MARGIN, BatchedGenerator, Schedule, schedule_from

@@ -52,6 +52,7 @@ def _chat_tokenizer(template=True):
 
 def test_chat_encoding_returns_token_ids(tmp_path):
     import pytest
+
     from eaglex.base.errors import ModelError
     from eaglex.base.prompts import encode, read_prompts
     tok = _chat_tokenizer()

@@ -6,19 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import write_prompt_file
 
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.serving.loader import load
 from eaglex.engines.tune import tune_engine
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import chi2_sf, chi_square
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.sampling import derive_seed
 from eaglex.runtime.types import SamplingConfig, TreeConfig
-
-from helpers import write_prompt_file
+from eaglex.serving.loader import load
 
 TUNED = TreeConfig.parse("chain:2")
 

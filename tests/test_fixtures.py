@@ -9,10 +9,10 @@ import collections
 import json
 
 import pytest
+import reference_eagle as ref
 import torch
 
 from eaglex.models import seeded as fx
-import reference_eagle as ref
 
 SEED = 0
 VD = 40                      # draft vocabulary of the reduced-vocab EAGLE-3 heads (V = 48)

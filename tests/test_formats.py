@@ -7,16 +7,16 @@ import json
 import shutil
 
 import pytest
+import reference_eagle as ref
 import torch
 
-import reference_eagle as ref
 from eaglex.base.errors import ModelError
 from eaglex.models.eagle import load_draft
 from eaglex.models.seeded import make_eagle1_head, make_eagle3_head, make_llama_target
 from eaglex.models.target import load_target
+from eaglex.runtime.backend import full_mask
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.kv_cache import new_cache
-from eaglex.runtime.backend import full_mask
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 

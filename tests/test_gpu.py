@@ -19,13 +19,13 @@ import warnings
 import onnxruntime as ort
 import pytest
 import torch
+from test_exactness import CASES, MAX_NEW
 from transformers import AutoModelForCausalLM
 
 from eaglex.runtime.equivalence import check_identical, format_identical
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
-from test_exactness import CASES, MAX_NEW
 
 DEVICE = os.environ.get("EAGLEX_TEST_DEVICE", "cuda")
 QUICK = os.environ.get("EAGLEX_TEST_QUICK") == "1"

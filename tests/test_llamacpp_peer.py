@@ -200,6 +200,7 @@ def test_the_anchored_table_has_every_peer_any_row_was_beside():
 def test_the_plot_draws_the_anchored_table_beside_the_rows(tmp_path):
     """With llama.cpp rows the picture has two panels (tokens/s; the anchored ratios), without them one."""
     import struct
+
     from eaglex.bench import anchor
     from eaglex.bench_plot import plot, row_label
     rows = [{"engine": "ort:a", "method": "vanilla", "tree": "-", "tokens_per_s": 40.0, "tau": 1.0},

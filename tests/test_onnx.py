@@ -20,8 +20,8 @@ from eaglex.engines.build import build_engine
 from eaglex.runtime import cost as cost_mod
 from eaglex.runtime.backend import ONE
 from eaglex.runtime.cost import CostCurve, cost_curve
-from eaglex.runtime.manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_manifest
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
+from eaglex.runtime.manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_manifest
 from eaglex.runtime.ort_backend import OrtBackend
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig

@@ -14,29 +14,28 @@ import shutil
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import write_prompt_file
+from onnx import TensorProto, helper, numpy_helper
 from safetensors import safe_open
 
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.runtime.backend import ONE
-from eaglex.runtime.manifest import read_manifest
 from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
+from eaglex.export import quantize as q
 from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROWS_AXIS
-from eaglex.export import quantize as q
+from eaglex.runtime.backend import ONE
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.generate import VanillaGenerator
+from eaglex.runtime.manifest import read_manifest
 from eaglex.runtime.ort_backend import OrtBackend
 from eaglex.runtime.ort_session import use_global_pool
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
-
-from helpers import write_prompt_file
 
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None
 needs_modelopt = pytest.mark.skipif(not HAVE_MODELOPT, reason="nvidia-modelopt is not installed "
@@ -483,7 +482,7 @@ def test_w8a8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))
     alone = [r.output_ids for r in open_engine(e, method="vanilla").generate(prompts[:3], max_new_tokens=16)]
     assert [r.output_ids for r in eng.generate(prompts[:3], max_new_tokens=16, batch=3)] == alone
-    import eaglex.runtime.ort_backend as ob                # on a CPU whose integer GEMM saturates: one warning
+    import eaglex.runtime.ort_backend as ob  # on a CPU whose integer GEMM saturates: one warning
     monkeypatch.setattr(ob, "u8s8_saturates", lambda: True)
     with pytest.warns(RuntimeWarning, match="no VNNI or AMX"):
         ob.OrtBackend(e)

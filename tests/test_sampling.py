@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from eaglex.runtime.sampling import draw, logits_to_probs, noise
 from eaglex.runtime.types import SamplingConfig

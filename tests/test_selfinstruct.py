@@ -8,10 +8,27 @@ import json
 import pytest
 import torch
 
-from eaglex.training.selfinstruct import (SENTINEL, SelfInstructConfig, Store, encode_conversations,
-                                          query_prefix, self_instruct, stop_ids)
-from eaglex.training.textfilter import (Deduper, FilterConfig, dup_trigram_share, jaccard, longest_word_run,
-                                        normalize, rejection, script_share, shingles, words)
+from eaglex.training.selfinstruct import (
+    SENTINEL,
+    SelfInstructConfig,
+    Store,
+    encode_conversations,
+    query_prefix,
+    self_instruct,
+    stop_ids,
+)
+from eaglex.training.textfilter import (
+    Deduper,
+    FilterConfig,
+    dup_trigram_share,
+    jaccard,
+    longest_word_run,
+    normalize,
+    rejection,
+    script_share,
+    shingles,
+    words,
+)
 
 # ------------------------------------------------------------------------------------------------ filters
 
@@ -181,8 +198,9 @@ def test_store_drops_a_cut_short_last_line_and_appends_after_it(tmp_path):
 def _fixture(models):
     """The fixture target with a character tokenizer in ChatML, whose end-of-turn token is the model's EOS id
     (the fixture's vocabulary has 48 ids)."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tmodels
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    from tokenizers import Regex, Tokenizer, decoders, models as tmodels, pre_tokenizers
 
     model = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32).eval()
     eos = model.config.eos_token_id

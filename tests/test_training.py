@@ -21,8 +21,7 @@ from eaglex.training import corpus, data, tokenizer
 from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle1 import head_config as eagle1_config
-from eaglex.training.eagle3 import (Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, ttt_loss,
-                                    vocab_map)
+from eaglex.training.eagle3 import Eagle3Config, head_config, save_eagle3, train_eagle3, ttt_layer, ttt_loss, vocab_map
 from eaglex.training.heads import Teacher, new_head, teacher, teacher_outputs
 from eaglex.training.loop import OptimConfig, step_generator
 from eaglex.training.report import tau_table

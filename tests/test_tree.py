@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from eaglex.runtime.tree import (MC_SIM_7B_63, chain_tree, cost_size, next_frontier, select_dynamic, static_plan,
-                                 tree_from_parents)
+from eaglex.runtime.tree import (
+    MC_SIM_7B_63,
+    chain_tree,
+    cost_size,
+    next_frontier,
+    select_dynamic,
+    static_plan,
+    tree_from_parents,
+)
 
 T, F = True, False
 

@@ -23,8 +23,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_triton import (GREEDY_PROMPTS, FakeRequest, checkpoint, counter, ids_of, load_in_process,  # noqa: F401
-                         metrics, model_module, needs_triton, post, reference, serve, stop_served)
+from test_triton import (  # noqa: F401
+    GREEDY_PROMPTS,
+    FakeRequest,
+    checkpoint,
+    counter,
+    ids_of,
+    load_in_process,
+    metrics,
+    model_module,
+    needs_triton,
+    post,
+    reference,
+    serve,
+    stop_served,
+)
 
 from eaglex.serving.repository import write_repository
 

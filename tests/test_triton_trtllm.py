@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from eaglex.engines import trtllm
-from eaglex.serving.trtllm_repository import (README, llmapi_problems, validate_llmapi_repository,
-                                          write_llmapi_repository)
 from eaglex.base.errors import ModelError
+from eaglex.engines import trtllm
+from eaglex.serving.trtllm_repository import (
+    README,
+    llmapi_problems,
+    validate_llmapi_repository,
+    write_llmapi_repository,
+)
 
 
 @pytest.fixture(scope="module")

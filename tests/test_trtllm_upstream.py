@@ -132,7 +132,7 @@ def test_modelopt_checkpoint_reads_as_tensorrt_llm_loads_it(modelopt_checkpoints
     tensors = {}
     for f in ck.glob("*.safetensors"):
         tensors.update({k: v for k, v in safetensors_header(f).items() if k != "__metadata__"})
-    H, nh, nkv = src["hidden_size"], src["num_attention_heads"], src["num_key_value_heads"]
+    H, nh = src["hidden_size"], src["num_attention_heads"]
     hd = src.get("head_dim") or H // nh
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     assert q == {**q, "dtype": "F8_E4M3", "shape": [nh * hd, H]}
@@ -163,8 +163,8 @@ def test_fp8_bundle_from_modelopt_agrees_on_one_dtype(modelopt_checkpoints, mode
     assert m["quant"]["kv_cache_quant_algo"] == "FP8" and trtllm.bundle_problems(tmp_path / "b") == []
     # tampering with one scale's shape is caught by the loader rules
     f = next((tmp_path / "b" / "target").glob("*.safetensors"))
-    from safetensors.torch import load_file, save_file
     import torch
+    from safetensors.torch import load_file, save_file
     state = load_file(str(f))
     state["model.layers.1.mlp.up_proj.input_scale"] = torch.ones(2)
     f.unlink()                                  # the bundle's files are hard links into the calibrated checkpoint

@@ -7,11 +7,11 @@ import json
 import shutil
 
 import pytest
+from helpers import write_prompt_file
 
 import eaglex.engines.tune as tune_mod
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
-from eaglex.serving.loader import load
 from eaglex.engines.tune import tune_engine
 from eaglex.runtime.autotune import TuneRow
 from eaglex.runtime.batch import Schedule
@@ -20,8 +20,7 @@ from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.manifest import MANIFEST, read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
-
-from helpers import write_prompt_file
+from eaglex.serving.loader import load
 
 BEST = TreeConfig.parse("chain:2")           # no default uses it: the tree an entry point runs says where it came from
 OTHER = TreeConfig.parse("dynamic:8/4/3")
@@ -217,8 +216,9 @@ def test_engine_demo_says_tuning_chose_vanilla(vanilla_tuned, prompts, capsys):
 def test_autotune_alternates_the_ladder_and_brackets_it_with_vanilla(monkeypatch):
     """The host's speed drifts during tuning: even prompts run the ladder forwards, odd ones backwards, vanilla runs
     before and after each prompt's ladder and counts as the mean of the two; outputs that differ disqualify."""
-    import eaglex.runtime.autotune as at
     from types import SimpleNamespace
+
+    import eaglex.runtime.autotune as at
 
     calls = []
 
@@ -248,8 +248,9 @@ def test_autotune_runoff_reruns_the_fastest_shapes_and_decides_over_all_prompts(
     """With more prompts than the ladder's first ones, the `runoff` fastest identical shapes run again with vanilla on
     the rest, and the winner is the fastest over every prompt it ran: here chain:1 leads on the first two prompts
     but chain:2 wins on the next two by more; dynamic:6/4/2 (slowest at first) never runs again."""
-    import eaglex.runtime.autotune as at
     from types import SimpleNamespace
+
+    import eaglex.runtime.autotune as at
 
     calls = []
     speed = {"chain:1": {10: 1.0, 11: 1.0, 12: 3.0, 13: 3.0}, "chain:2": {10: 1.5, 11: 1.5, 12: 1.0, 13: 1.0},

@@ -24,6 +24,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from smollm2 import PRESETS, Paths, build  # noqa: E402 - tools/smollm2.py, beside this script
 
 from eaglex.base import chat_prompts, honest_prompts
 from eaglex.base.fsio import write_text
@@ -32,7 +33,6 @@ from eaglex.training.eagle3 import save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig
 from eaglex.training.selfdistill import SelfDistillData
 from eaglex.training.textfilter import jaccard, shingles
-from smollm2 import PRESETS, Paths, build  # noqa: E402 - tools/smollm2.py, beside this script
 
 
 def nearest(trained: list[str], held: list[str]) -> dict:

@@ -375,9 +375,10 @@ class Check:
 
     # ---- models
     def phase_models(self):
+        from bench_models import _write_folder
+
         from eaglex.models.target import DTYPES, target_from_model
         from eaglex.runtime.torch_backend import TorchBackend
-        from bench_models import _write_folder
 
         s, seed, device, dtype = SHAPES[self.shape], 0, self.device, DTYPES[self.dtype]
         t = time.monotonic()
@@ -543,7 +544,7 @@ class Check:
                 try:
                     # the first pass runs every shape (captured as CUDA graphs when they recur), the second is timed
                     for i in range(2):
-                        tokens, seconds, reqs = run_batch(lambda _, s: BatchedGenerator(backend, s), tree, prompts,
+                        tokens, seconds, reqs = run_batch(lambda _, s, b=backend: BatchedGenerator(b, s), tree, prompts,
                                                           size, max_new)
                         rate = tokens / max(seconds, 1e-9)
                         divs = [first_divergence(want[j], r.result.output_ids) for j, r in enumerate(reqs)]

@@ -51,6 +51,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
+from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 from eaglex.base import chat_prompts, honest_prompts
 from eaglex.base.errors import ModelError
@@ -64,8 +65,6 @@ from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig
 from eaglex.training.selfdistill import SelfDistillData
 from eaglex.training.selfinstruct import SelfInstructConfig
-from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
-
 
 
 @dataclass(frozen=True)

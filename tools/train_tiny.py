@@ -30,6 +30,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
+from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 from eaglex.base.fsio import write_text
 from eaglex.training import corpus, data, loop, tokenizer
@@ -40,7 +41,6 @@ from eaglex.training.loop import OptimConfig, digest
 from eaglex.training.report import DEFAULT_SHAPE, SHAPES, TauRow, format_table, tau_table, vanilla_outputs
 from eaglex.training.selfdistill import SelfDistillConfig, SelfDistillData, generate
 from eaglex.training.target import TargetConfig, eval_loss, save_target, train_target
-from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,6 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     """Half the EAGLE-3 teacher cache (heads.teacher_outputs): both lanes compute one half, and the EAGLE-3 stage
     reads them instead of spending a minute of the critical path on the whole."""
     from eaglex.models.target import load_target
-
     from eaglex.training.eagle3 import prepare_teacher
     from eaglex.training.heads import teacher_outputs
 

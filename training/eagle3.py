@@ -72,7 +72,6 @@ def vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor
 
 def head_config(target: Target, cfg: Eagle3Config, eos_id: int | None) -> dict:
     """config.json of the official LLaMA-3.1 EAGLE-3 head, sized for `target` (no rope_theta: θ = 10000)."""
-    t = target.spec
     return {
         **layer_config(target, cfg, eos_id),
         "max_position_embeddings": 2048,

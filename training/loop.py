@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-
 BAR_POSITION = 0   # tqdm line of this process's bars (a second training process uses line 1)
 LOG_EVERY = 10     # steps between updates of the bar's loss and metrics
 

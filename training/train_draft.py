@@ -28,7 +28,6 @@ from .report import SHAPES, format_table, tau_table
 from .selfdistill import SelfDistillConfig, SelfDistillData, generate
 from .selfinstruct import SelfInstructConfig, encode_conversations, self_instruct
 
-
 BUILTIN_CHAT = "builtin-chat"
 SELF_INSTRUCT = "self-instruct:"
 
