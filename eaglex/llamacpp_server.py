@@ -316,7 +316,10 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
                 ref = (reference[i] if reference is not None else None) if method == "vanilla" else \
                     _eos_stop(got[(e, "vanilla")][0], limit, eos)
                 t.add(ids, sec, timings, base, ref)
-    builds = {k: " ".join(compiled_features(s.log.read_text(errors="replace"))) for k, s in servers.items()}
+    # llama-server logs its system_info only at higher verbosity; else the cmake flags tools/build_llamacpp.sh stored
+    flags = cfg.bin_dir / "flags"
+    built = f"cmake {flags.read_text().strip()}" if flags.is_file() else ""
+    builds = {k: " ".join(compiled_features(s.log.read_text(errors="replace"))) or built for k, s in servers.items()}
     for (e, method), t in tallies.items():
         spec = method == "eagle3"
         r = Row("llama.cpp", "eagle3" if spec else "vanilla", str(chosen[e]) if spec else "-",
