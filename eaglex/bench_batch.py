@@ -16,8 +16,6 @@ from dataclasses import replace
 
 from eaglex.runtime.batch import BATCH_TOKENS
 
-DEFAULT_SIZES = (1, 4, 16)
-
 
 def _vanilla(engine):
     return replace(engine, method="vanilla", tree=None, kept_tree=None)

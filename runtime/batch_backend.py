@@ -29,7 +29,34 @@ from .device import to_device
 from .static import CudaGraphs, WindowView, local_mask, run_static, slots_for, window_for, window_mask
 
 
-class SlotCache:
+class SlotCounts:
+    """What every per-slot KV cache counts: per slot the committed rows `length` (in context order) and the
+    `pending` rows forwards appended since its last commit or rollback; a cache copies the rows in `_copy`."""
+
+    def __init__(self, slots: int):
+        self.length = [0] * slots
+        self.pending = [0] * slots
+
+    def rollback(self, rows: slice) -> None:
+        for s in range(rows.start, rows.stop):
+            self.pending[s] = 0
+
+    def clear(self, slot: int) -> None:
+        self.length[slot] = self.pending[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot src's committed rows into slot dst (the batcher keeps active slots contiguous)."""
+        n = self.length[src]
+        if n:
+            self._copy(src, dst, n)
+        self.length[dst], self.pending[dst] = n, 0
+        self.clear(src)
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        raise NotImplementedError
+
+
+class SlotCache(SlotCounts):
     """Per-slot KV buffers for `layers` layers on `device` (models.target.LayerCache over a slice of slots)."""
 
     def __init__(self, layers: int, slots: int, heads: int, dim: int, capacity: int, dtype: torch.dtype,
@@ -39,8 +66,7 @@ class SlotCache:
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.layers, self.capacity = layers, capacity
-        self.length = [0] * slots      # committed rows per slot
-        self.pending = [0] * slots     # rows written since the slot's last commit / rollback
+        super().__init__(slots)
         self._rows = slice(0, 0)
 
     @property
@@ -109,20 +135,9 @@ class SlotCache:
         self.capacity = capacity
         return True
 
-    def rollback(self, rows: slice) -> None:
-        for s in range(rows.start, rows.stop):
-            self.pending[s] = 0
-
-    def clear(self, slot: int) -> None:
-        self.length[slot] = self.pending[slot] = 0
-
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot src's committed rows into slot dst (the batcher keeps active slots contiguous)."""
-        n = self.length[src]
+    def _copy(self, src: int, dst: int, n: int) -> None:
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.length[dst], self.pending[dst] = n, 0
-        self.clear(src)
 
     def rows(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's first n keys and values, [layers, Hkv, n, D] each (for tests and checks)."""

@@ -17,16 +17,15 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
-from .batch_backend import SlotBackend
+from .batch_backend import SlotBackend, SlotCounts
 from .ort_cache import NP_DTYPES, ONNX_DTYPES, kv_names
 from .ort_session import outputs
 
 
-class SlotRows:
+class SlotRows(SlotCounts):
     """KV rows of `slots` requests for the KV tensors `names` (past_<name> / present_<name> in the graphs): one
     zero-initialised array [tensors, capacity, width, Hkv, D] (zeros: a masked key or value must be finite, since
-    the attention multiplies it by an exact zero), per slot the committed rows `length` in context order (a row's
-    index is its position) and the `pending` rows forwards appended since the slot's last commit or rollback."""
+    the attention multiplies it by an exact zero), with SlotCounts' per-slot rows (a row's index is its position)."""
 
     def __init__(self, names: list[str], slots: int, heads: int, dim: int, capacity: int, dtype: str):
         self.names, self.heads, self.dim, self.dtype = list(names), heads, dim, dtype
@@ -36,8 +35,7 @@ class SlotRows:
         self._c_device = OrtDevice.make("cpu", 0)._get_c_device()
         self.capacity, self.width = capacity, 0
         self.kv = self._empty(capacity, 0)
-        self.length = [0] * slots
-        self.pending = [0] * slots
+        super().__init__(slots)
 
     def _empty(self, capacity: int, width: int) -> np.ndarray:
         return np.zeros((len(self.names), capacity, width, self.heads, self.dim), self.element)
@@ -103,20 +101,8 @@ class SlotRows:
         self._relayout(capacity, self.width)
         return True
 
-    def rollback(self, rows: slice) -> None:
-        for s in range(rows.start, rows.stop):
-            self.pending[s] = 0
-
-    def clear(self, slot: int) -> None:
-        self.length[slot] = self.pending[slot] = 0
-
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot src's committed rows into slot dst (the batcher keeps active slots contiguous)."""
-        n = self.length[src]
-        if n:
-            self.kv[:, :n, dst] = self.kv[:, :n, src]
-        self.length[dst], self.pending[dst] = n, 0
-        self.clear(src)
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        self.kv[:, :n, dst] = self.kv[:, :n, src]
 
     def rows(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's first n keys and values, [layers, Hkv, n, D] each (for tests and checks)."""
