@@ -297,6 +297,45 @@ W8A8_ZERO = 128          # activations as uint8 around this zero point: MLAS's f
 SMOOTH_ALPHA = 0.5       # SmoothQuant's migration strength: half of an input channel's range moves to the weights
 
 
+def _leading_dims(onnx_path: Path) -> dict[str, tuple]:
+    """Each value's dims but the last, from ONNX shape inference over the graph's structure (weights not read);
+    only values whose leading dims are all named or known."""
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(onnx_path), load_external_data=False))
+    out = {}
+    for v in list(model.graph.value_info) + list(model.graph.input):
+        dims = v.type.tensor_type.shape.dim
+        lead = tuple(d.dim_param or d.dim_value for d in dims[:-1])
+        if len(dims) >= 2 and all(lead):
+            out[v.name] = lead
+    return out
+
+
+class _RowZeroPoints:
+    """The uint8 zero points (W8A8_ZERO) a blocked QuantizeLinear takes, shaped like the rows' scales [..., 1]:
+    made once per distinct symbolic leading shape (every activation of a decoder is [batch, seq, K]), else per
+    input."""
+
+    def __init__(self, leading: dict[str, tuple]):
+        self.leading, self.made = leading, {}
+
+    def _key(self, x: str):
+        return self.leading.get(x, x)
+
+    def of(self, x: str) -> str:
+        return self.made[self._key(x)]
+
+    def nodes(self, x: str, x_in: str) -> list[onnx.NodeProto]:
+        key = self._key(x)
+        if key in self.made:
+            return []
+        name = f"w8a8.zp{len(self.made)}"
+        self.made[key] = name
+        return [helper.make_node("Shape", [x_in], [name + ".lead"], end=-1),
+                helper.make_node("Concat", [name + ".lead", "w8a8.one"], [name + ".shape"], axis=0),
+                helper.make_node("ConstantOfShape", [name + ".shape"], [name],
+                                 value=numpy_helper.from_array(np.array([W8A8_ZERO], np.uint8)))]
+
+
 def rowwise_int8(onnx_path, out_path, exclude: tuple[str, ...] = (),
                  row_attention: tuple[int, int, int] | None = None, act_max: dict[str, np.ndarray] | None = None,
                  alpha: float = SMOOTH_ALPHA) -> QuantReport:
@@ -319,8 +358,9 @@ def rowwise_int8(onnx_path, out_path, exclude: tuple[str, ...] = (),
     consts = [numpy_helper.from_array(np.array([-1], np.int64), "w8a8.axis"),
               numpy_helper.from_array(np.array(127.0, np.float32), "w8a8.qmax"),
               numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), "w8a8.tiny"),
-              numpy_helper.from_array(np.array(float(W8A8_ZERO), np.float32), "w8a8.zero_f"),
+              numpy_helper.from_array(np.array([1], np.int64), "w8a8.one"),
               numpy_helper.from_array(np.array(W8A8_ZERO, np.uint8), "w8a8.zero")]
+    zero_points = _RowZeroPoints(_leading_dims(onnx_path))
     quantized_inputs: dict[str, tuple[str, str]] = {}       # activation -> (its uint8 rows, its row scales)
     new_nodes, candidates, skipped, drop = [], [], [], set()
     pairs = {n.output[0]: w for n, w in _weight_matmuls(g)}
@@ -349,11 +389,12 @@ def rowwise_int8(onnx_path, out_path, exclude: tuple[str, ...] = (),
                 helper.make_node("Abs", [x_in], [f"{q}.abs"]),
                 helper.make_node("ReduceMax", [f"{q}.abs", "w8a8.axis"], [f"{q}.max"], keepdims=1),
                 helper.make_node("Div", [f"{q}.max", "w8a8.qmax"], [f"{q}.s0"]),
-                helper.make_node("Max", [f"{q}.s0", "w8a8.tiny"], [f"{q}.scale"]),
-                helper.make_node("Div", [x_in, f"{q}.scale"], [f"{q}.div"]),
-                helper.make_node("Round", [f"{q}.div"], [f"{q}.round"]),
-                helper.make_node("Add", [f"{q}.round", "w8a8.zero_f"], [f"{q}.shift"]),
-                helper.make_node("Cast", [f"{q}.shift"], [f"{q}.u8"], to=TensorProto.UINT8)]
+                helper.make_node("Max", [f"{q}.s0", "w8a8.tiny"], [f"{q}.scale"])]
+            new_nodes += zero_points.nodes(x, x_in)
+            # round(x / scale) + 128 as uint8 in one blocked QuantizeLinear (one block per row): the numbers of a Div,
+            # Round, Add and Cast (the engine's logits bit-identical to that chain's) in one kernel call instead of four
+            new_nodes.append(helper.make_node("QuantizeLinear", [x_in, f"{q}.scale", zero_points.of(x)], [f"{q}.u8"],
+                                              axis=-1, block_size=int(w.dims[0])))
             quantized_inputs[x] = (f"{q}.u8", f"{q}.scale")
         xq, xs = quantized_inputs[x]
         if w.name not in drop:                      # a weight some MatMuls share is quantized once

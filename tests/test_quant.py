@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -441,6 +442,30 @@ def _one_matmul(path, W):
                           [numpy_helper.from_array(W, "layer.weight_t")])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
     return path
+
+
+def test_w8a8_matmul_is_the_integer_formula(tmp_path):
+    """rowwise_int8's numbers, spelled out: q = round_half_even(x / s_row) + 128 (uint8, one blocked QuantizeLinear
+    per input), y = (float(sum_k (q - 128) * Wq) * s_row) * s_col, every step in float32. Rows with halfway
+    quotients (x / s = k + 0.5) and an all-zero row included; the graph must equal this formula bit for bit."""
+    rng = np.random.default_rng(3)
+    K, N = 96, 40
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    s_row = np.maximum(np.abs(x).max(1, keepdims=True) / np.float32(127), np.finfo(np.float32).tiny)
+    x[1, :10] = ((np.arange(10) - 5 + 0.5) * s_row[1]).astype(np.float32)       # halfway quotients
+    x[4] = 0
+    q.rowwise_int8(_one_matmul(tmp_path / "mm.onnx", W), tmp_path / "q.onnx")
+    graph = onnx.load(str(tmp_path / "q.onnx"))
+    ops = Counter(n.op_type for n in graph.graph.node)
+    assert ops["QuantizeLinear"] == 1 and ops["Round"] == 0 and ops["MatMulInteger"] == 1
+    y = _session(tmp_path / "q.onnx").run(None, {"x": x})[0]
+    s_row = np.maximum(np.abs(x).max(1, keepdims=True) / np.float32(127), np.finfo(np.float32).tiny)
+    s_col = np.maximum(np.abs(W).max(0) / 127.0, np.finfo(np.float32).tiny).astype(np.float32)
+    Wq = np.clip(np.round(W / s_col), -127, 127).astype(np.int32)
+    xq = np.clip(np.round(x / s_row) + 128, 0, 255).astype(np.int32) - 128
+    want = ((xq @ Wq).astype(np.float32) * s_row) * s_col
+    assert y.dtype == np.float32 and np.array_equal(y, want)
 
 
 @pytest.mark.parametrize("smoothed", [False, True])
