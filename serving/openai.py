@@ -1,6 +1,7 @@
-"""The OpenAI API's requests and answers, as pure functions: a /v1/chat/completions or /v1/completions body ->
-a validated `Completion` (or an `ApiError` with OpenAI's error shape), -> the body of a generate_stream request to
-the eaglex Triton model; and the model's streamed events -> OpenAI's chunks, final object and usage.
+"""The OpenAI API's requests and answers, as pure functions: a /v1/chat/completions or /v1/completions body -> its
+pydantic model (`ChatRequest`, `TextRequest`) -> a validated `Completion` (or an `ApiError` with OpenAI's error
+shape), -> the body of a generate_stream request to the eaglex Triton model; and the model's streamed events ->
+OpenAI's chunks, final object and usage.
 
 What is accepted: `model`, `messages` (chat: system/developer/user/assistant, string contents or lists of text
 parts) or `prompt` (completions: one string), `max_tokens` / `max_completion_tokens`, `temperature` (0..2; 0 is
@@ -8,14 +9,18 @@ greedy), `top_p` (0 < p <= 1), `seed`, `stop` (a string or up to 4), `stream`, `
 `n` = 1, and, at their neutral values only, the knobs that would change the output distribution (penalties,
 `logit_bias`, `logprobs`, `best_of` 1, `echo` false) or that eaglex does not implement (`tools`, `response_format`
 other than text). `user`, `metadata` and `store` are accepted and ignored. Anything else is refused, as OpenAI
-refuses unknown arguments, so that a misspelled knob is never silently ignored.
+refuses unknown arguments, so that a misspelled knob is never silently ignored. The models are strict (no "5" for
+5, no 2.0 for an integer): a wrong type is a client's mistake, said in the error.
 """
 from __future__ import annotations
 
 import json
-import math
 import secrets
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
          404: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error"}
@@ -28,6 +33,20 @@ NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_b
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
 SEED_MAX = 2 ** 63 - 1
+MAX_TOKENS = 2 ** 31 - 1            # the model's max_tokens is INT32
+# what a wrong value of these is told (instead of the type's words): they say what the field is
+HINTS = {"model": "must be a string naming a served model (GET /v1/models lists them)",
+         "messages": "must be a non-empty list of {\"role\", \"content\"} objects",
+         "prompt": "must be one string (one prompt per request)"}
+# pydantic's error types in our words: "<param> <phrase>, got <value>"
+PHRASES = {"int_type": "must be an integer", "float_type": "must be a number",
+           "finite_number": "must be a finite number", "bool_type": "must be true or false",
+           "string_type": "must be a string", "list_type": "must be a list",
+           "model_type": "must be a JSON object", "dict_type": "must be a JSON object",
+           "literal_error": "must be one of {expected}", "greater_than_equal": "must be >= {ge}",
+           "greater_than": "must be > {gt}", "less_than_equal": "must be <= {le}", "less_than": "must be < {lt}",
+           "string_too_short": "must not be empty", "too_short": "must be a non-empty list",
+           "too_long": "must have at most {max_length} items"}
 
 
 class ApiError(Exception):
@@ -48,6 +67,117 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
+# --- the requests' models -------------------------------------------------------------------------------------------
+def _content(value):
+    """A message's content: a string, or a list of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+            return "".join(p["text"] for p in value)
+        raise PydanticCustomError("content", "must hold only text content parts ({\"type\": \"text\", \"text\": ...})")
+    raise PydanticCustomError("content", "must be a string or a list of text parts")
+
+
+def _stop(value):
+    value = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or len(value) > MAX_STOP or not all(isinstance(s, str) and s for s in value):
+        raise PydanticCustomError("stop", f"must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
+    return tuple(value)
+
+
+def _one_prompt(value):
+    """A list holding one prompt is that prompt (what the SDK sends for prompt=[...])."""
+    return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) else value
+
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+# the knobs accepted at their neutral values, and the ignored ones: any JSON, judged in completion()
+_Knobs = create_model("_Knobs", __config__=_STRICT, **{k: (Any, None) for k in (*NEUTRAL, *IGNORED)})
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+    role: Literal[ROLES]
+    content: Annotated[str, BeforeValidator(_content)]
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, value):
+        if isinstance(value, dict) and set(value) - set(cls.model_fields):
+            raise PydanticCustomError("stream_options", "must be {\"include_usage\": true|false}")
+        return value
+
+
+class _Request(_Knobs):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-SEED_MAX - 1, le=SEED_MAX)
+    stop: Annotated[tuple[str, ...], BeforeValidator(_stop)] = ()
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=128)
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+
+
+class TextRequest(_Request):
+    prompt: Annotated[str, BeforeValidator(_one_prompt), Field(min_length=1)]
+
+
+def _param(loc) -> str | None:
+    """pydantic's location ("messages", 0, "role") as OpenAI names the parameter: messages[0].role."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or None
+
+
+def _bad(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value" if "must" in message else None)
+
+
+def invalid(errors: list[dict]) -> ApiError:
+    """The first of pydantic's complaints (an unknown argument first, as OpenAI names those) as OpenAI's 400.
+    FastAPI's locations start with "body"."""
+    e = min(errors, key=lambda e: e["type"] != "extra_forbidden")
+    loc, kind = tuple(e["loc"]), e["type"]
+    if loc[:1] == ("body",):
+        loc = loc[1:]
+    if kind == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+    if not loc:
+        hint = " (send it with Content-Type: application/json)" if isinstance(e.get("input"), bytes) else ""
+        return ApiError(400, f"the request body must be a JSON object{hint}")
+    param, name = _param(loc), loc[-1]
+    if kind == "extra_forbidden":
+        if len(loc) == 1:
+            return ApiError(400, f"Unrecognized request argument supplied: {name}", param, "unknown_parameter")
+        return ApiError(400, f"{_param(loc[:-1])}: {name} is not supported", _param(loc[:-1]), "unknown_parameter")
+    if param in HINTS and (kind == "missing" or kind.endswith("_type")):
+        return _bad(param, f"{param} {HINTS[param]}")
+    if kind == "missing":
+        return _bad(param, f"{_param(loc[:-1])} has no {name}" if len(loc) > 1 else f"the request has no {name}")
+    if kind not in PHRASES:                          # ours (PydanticCustomError) say it all; pydantic's own otherwise
+        return _bad(param, f"{param} {e['msg']}" if e["msg"][:1].islower() else f"{param}: {e['msg']}")
+    if kind == "too_short" and isinstance(e.get("input"), str):
+        kind = "string_too_short"
+    got = json.dumps(e.get("input"), default=str)
+    return _bad(param, f"{param} {PHRASES[kind].format(**e.get('ctx', {}))}, got {got[:40]}")
+
+
 @dataclass(frozen=True)
 class Completion:
     """One validated request. `messages` for chat, `prompt` for a text completion."""
@@ -64,130 +194,42 @@ class Completion:
     include_usage: bool
 
 
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param, "invalid_value" if "must" in message else None)
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(name, f"{name} must be a number, got {json.dumps(v)[:40]}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise _bad(name, f"{name} must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {v}")
-    return float(v)
-
-
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(name, f"{name} must be an integer, got {json.dumps(v)[:40]}")
-    if not lo <= v <= hi:
-        raise _bad(name, f"{name} must be >= {lo} and <= {hi}, got {v}")
-    return v
-
-
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise _bad(name, f"{name} must be true or false, got {json.dumps(v)[:40]}")
-    return v
-
-
-def _content(i: int, content) -> str:
-    """A message's content: a string, or a list of text parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content", "only text content parts ({\"type\": \"text\", \"text\": "
-                                                     "...}) are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
-
-
-def _messages(value) -> tuple:
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
-                                              f"{json.dumps(role)[:40]}")
-        if "content" not in m or m["content"] is None:
-            raise _bad(f"messages[{i}].content", f"messages[{i}] has no content")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise _bad(f"messages[{i}]", f"messages[{i}]: {', '.join(sorted(extra))} not supported (text messages "
-                                         "only)")
-        out.append({"role": role, "content": _content(i, m["content"])})
-    return tuple(out)
-
-
-def parse(body, chat: bool, max_tokens_limit: int = 2 ** 31 - 1) -> Completion:
-    """A request body (parsed JSON) -> Completion; ApiError 400 naming the offending parameter."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    allowed = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-               *IGNORED, *NEUTRAL} | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
-    for key in body:
-        if key not in allowed:
-            raise ApiError(400, f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model", "model must be a string naming a served model (GET /v1/models lists them)")
+def completion(req: ChatRequest | TextRequest) -> Completion:
+    """A request whose types and ranges pydantic checked -> Completion; ApiError 400 for what eaglex does not do."""
+    chat = isinstance(req, ChatRequest)
     for key, neutral in NEUTRAL.items():
-        if key in body and body[key] not in neutral:
-            raise ApiError(400, f"{key} {json.dumps(body[key])[:40]} is not supported by eaglex (it would change "
-                                "the target's output distribution, or is not implemented): leave it out", key,
+        value = getattr(req, key)
+        if key in req.model_fields_set and value not in neutral:
+            raise ApiError(400, f"{key} {json.dumps(value, default=str)[:40]} is not supported by eaglex (it would "
+                                "change the target's output distribution, or is not implemented): leave it out", key,
                            "unsupported_value")
-    n = _int(body, "n", 1, 128)
-    if n not in (None, 1):
-        raise ApiError(400, f"n must be 1: eaglex returns one choice per request, got {n}", "n", "unsupported_value")
-    max_tokens = _int(body, "max_tokens", 1, max_tokens_limit)
-    if chat:
-        mct = _int(body, "max_completion_tokens", 1, max_tokens_limit)
-        if mct is not None and max_tokens is not None and mct != max_tokens:
+    if req.n not in (None, 1):
+        raise ApiError(400, f"n must be 1: eaglex returns one choice per request, got {req.n}", "n",
+                       "unsupported_value")
+    max_tokens = req.max_tokens
+    if chat and req.max_completion_tokens is not None:
+        if max_tokens is not None and req.max_completion_tokens != max_tokens:
             raise _bad("max_completion_tokens", "max_tokens and max_completion_tokens disagree: give one of them")
-        max_tokens = mct if mct is not None else max_tokens
-        messages, prompt = _messages(body.get("messages")), None
-    else:
-        prompt, messages = body.get("prompt"), None
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise _bad("prompt", "prompt must be one string (one prompt per request)")
-        if not prompt:
-            raise _bad("prompt", "prompt must not be empty")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise _bad("stream_options", "stream_options is only allowed with stream true")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise _bad("stream_options", "stream_options must be {\"include_usage\": true|false}")
-    include_usage = _bool(options or {}, "include_usage")
-    return Completion(chat, model, messages, prompt, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
-                      _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), _int(body, "seed", -SEED_MAX - 1,
-                                                                                   SEED_MAX),
-                      tuple(stop), stream, include_usage)
+        max_tokens = req.max_completion_tokens
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options", "stream_options is only allowed with stream true")
+    messages = tuple({"role": m.role, "content": m.content} for m in req.messages) if chat else None
+    return Completion(chat, req.model, messages, None if chat else req.prompt, max_tokens,
+                      1.0 if req.temperature is None else float(req.temperature),
+                      1.0 if req.top_p is None else float(req.top_p), req.seed, req.stop, bool(req.stream),
+                      bool(req.stream_options and req.stream_options.include_usage))
 
 
+def parse(body, chat: bool) -> Completion:
+    """A request body (parsed JSON) -> Completion; ApiError 400 naming the offending parameter."""
+    try:
+        req = (ChatRequest if chat else TextRequest).model_validate(body)
+    except ValidationError as e:
+        raise invalid(e.errors()) from None
+    return completion(req)
+
+
+# --- to the model, and back -----------------------------------------------------------------------------------------
 def triton_request(c: Completion) -> dict:
     """The generate_stream body for the eaglex model: always streamed (one event per verification cycle). A
     negative seed maps onto the model's unsigned seeds one to one; a sampled request without one gets a fresh random

@@ -8,7 +8,7 @@ log-prob outputs) is refused with a clear message instead of being ignored.
 
 Triton's own front end checks tensor names, shapes and data types before the model sees a request; what arrives here
 is already typed. (Triton's JSON conversion wraps integers around to the input's type: the HTTP front of the
-supervised server, front.py, refuses out-of-range JSON values before that.) Keys of a generate-extension
+supervised server, front.py with guard.py, refuses out-of-range JSON values before that.) Keys of a generate-extension
 body that match no input arrive as request *parameters*; those are refused as unknown, apart from Triton's reserved
 `triton_*` keys, TensorRT-LLM's harmless flags and eaglex's own `chat_template` (true: text_input is the user's
 message, wrapped with the tokenizer's chat template; it overrides the model parameter of the same name, whose

@@ -451,8 +451,8 @@ class Supervisor:
         t0, detail = time.monotonic(), self.detail
         healthy = self.state == "ready" and self.health()[1] and not self.stuck
         self.set_state("stopping", "stopping")
-        if self.front is not None and self.front.server is not None:
-            self.front.server.close()
+        if self.front is not None:
+            self.front.stop_accepting()
         # healthy: let Triton finish in-flight requests and unload; otherwise (a dead stub, a server that does not
         # answer) waiting for Triton's exit timeout would only make the stop slow
         grace = float(self.exit_timeout) + 2.0 if healthy else 3.0

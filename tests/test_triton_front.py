@@ -1,7 +1,8 @@
 """The HTTP front of the supervised Triton server (eaglex.serving.front), without Triton: its body checks, its
 routing, and the proxy itself against a fake upstream on loopback (keep-alive, chunked bodies, 100-continue,
 streamed responses relayed as they come, a client hanging up, Triton's "Stub process ... is not healthy" turned into
-a 503, readiness answers, admin APIs, limits). test_triton_robust.py runs it in front of the real server."""
+a 503, readiness answers, admin APIs, limits), and its OpenAI API through the official `openai` client.
+test_triton_robust.py runs it in front of the real server."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from eaglex.serving.front import Front, check_generate, check_infer, check_value, json_depth_ok, route
+from eaglex.serving.front import Front
+from eaglex.serving.guard import check_generate, check_infer, check_value, json_depth_ok, route
 
 INPUTS = {"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "temperature": "TYPE_FP32",
           "seed": "TYPE_UINT64", "stream": "TYPE_BOOL", "input_ids": "TYPE_INT32"}
@@ -104,6 +106,7 @@ class FakeSupervisor:
     def __init__(self, upstream_port: int):
         self.port, self.admin_key, self.admin_open = upstream_port, "k3y", False
         self.ready, self.reported = True, []
+        self.models = {"m": {"inputs": INPUTS}, "chat": {"inputs": {"messages": "TYPE_STRING"}}}
 
     def upstream(self):
         return ("127.0.0.1", self.port) if self.ready else None
@@ -112,7 +115,7 @@ class FakeSupervisor:
         return (True, True, "") if self.ready else (False, False, "restarting")
 
     def model_ready(self, name):
-        if name not in ("m", "sick", "crash"):
+        if name not in ("m", "sick", "crash", "chat"):
             return None, ""
         return (True, "") if self.ready else (False, f"model {name} is not ready: restarting")
 
@@ -141,6 +144,8 @@ class FakeTriton:
         headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         body = await reader.readexactly(int(headers.get("content-length", 0)))
         self.requests.append((method, path, headers, body))
+        if path == "/v2/models/chat/generate_stream":          # the OpenAI API's model: text by events
+            return await self.chat(json.loads(body), reader, writer)
         if path.startswith("/v2/models/crash/"):             # tritonserver killed mid-stream: no last chunk
             event = b'data: {"n": 0}\n\n'
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -179,6 +184,38 @@ class FakeTriton:
         await writer.drain()
         writer.close()
 
+    async def chat(self, body, reader, writer):
+        """generate_stream of a chat model: one event per character of "abc" (or of 40 "x"s, slowly, for "slow"), then
+        the final response; "refuse": a 400 (as Triton sends a first response that is an error), "fail": an error
+        event after the first character."""
+        prompt = body["text_input"] if "text_input" in body else json.loads(body["messages"])[-1]["content"]
+        if prompt == "refuse":
+            event = b'data: {"error": "max_tokens 9 is beyond the context"}\n\n'
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                         % len(event) + event)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            text = "x" * 40 if prompt == "slow" else "abc"
+            events = [{"text_output": t, "output_ids": [i]} for i, t in enumerate(text)]
+            if prompt == "fail":
+                events.insert(1, {"error": "boom"})
+            events.append({"finish_reason": "length", "prompt_tokens": 2})
+            for ev in events:
+                data = b"data: " + json.dumps(ev).encode() + b"\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                try:
+                    await writer.drain()
+                    await asyncio.sleep(0.1 if prompt == "slow" else 0.01)
+                except ConnectionError:
+                    break
+                if writer.transport.is_closing() or reader.at_eof():
+                    break
+            else:
+                writer.write(b"0\r\n\r\n")
+            self.closed.set()
+        await writer.drain()
+        writer.close()
+
 
 async def read_response(reader) -> tuple[int, dict, bytes]:
     status_line = await reader.readline()
@@ -201,12 +238,12 @@ async def read_response(reader) -> tuple[int, dict, bytes]:
         body += (await reader.readexactly(size + 2))[:-2]
 
 
-def run(scenario):
+def run(scenario, **options):
     async def main():
         fake = FakeTriton()
         upstream = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         sup = FakeSupervisor(upstream.sockets[0].getsockname()[1])
-        front = await Front(sup, "127.0.0.1", 0, max_body=1000, max_depth=8).start()
+        front = await Front(sup, "127.0.0.1", 0, max_body=1000, max_depth=8, **options).start()
         try:
             await asyncio.wait_for(scenario(front, sup, fake), 30)
         finally:
@@ -225,7 +262,9 @@ def test_proxy_keep_alive_chunked_and_100_continue():
         body = json.dumps({"text_input": "hi", "max_tokens": 3}).encode()
         w.write(request("POST", "/v2/models/m/generate", body, "X-Trace: 1\r\n"))
         status, headers, data = await read_response(r)
-        assert status == 200 and json.loads(data)["body"] == body.decode() and headers["connection"] == "keep-alive"
+        # HTTP/1.1 keeps the connection unless the answer says close (uvicorn sends no Connection: keep-alive)
+        assert status == 200 and json.loads(data)["body"] == body.decode()
+        assert "close" not in headers.get("connection", "")
         # the same connection: a chunked body (re-framed with a Content-Length), then 100-continue
         w.write(b"POST /v2/models/m/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                 b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
@@ -243,6 +282,31 @@ def test_proxy_keep_alive_chunked_and_100_continue():
         assert headers["connection"] == "close" and headers["x-trace"] == "1" and "expect" not in fake.requests[2][2]
         assert fake.requests[1][2]["content-length"] == str(len(body))
     run(scenario)
+
+
+def test_a_request_head_that_trickles_in_is_cut():
+    """Slow loris: a connection that sends nothing, or half a request head a byte at a time, is closed once the
+    head deadline passes; a request sent whole on a kept-alive connection after an idle pause is still answered."""
+    async def scenario(front, sup, fake):
+        t0 = time.monotonic()
+        silent = await asyncio.open_connection("127.0.0.1", front.port)
+        r, w = await asyncio.open_connection("127.0.0.1", front.port)
+        for byte in b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: ":
+            w.write(bytes([byte]))
+            await asyncio.sleep(0.02)
+        assert await asyncio.wait_for(r.read(), 5) == b"" and await asyncio.wait_for(silent[0].read(), 5) == b""
+        assert time.monotonic() - t0 < 4
+        r, w = await asyncio.open_connection("127.0.0.1", front.port)
+        w.write(request("GET", "/v2/health/live"))
+        assert (await read_response(r))[0] == 200
+        await asyncio.sleep(1.5)                           # longer than the head deadline, idle between requests
+        w.write(request("GET", "/v2/health/live"))
+        assert (await read_response(r))[0] == 200
+        w.write(request("POST", "/v2/models/m/generate", b'{"text_input": "hi"}')[:-8])    # the body stops short
+        status, _, data = await asyncio.wait_for(read_response(r), 5)
+        assert status == 408 and b"did not arrive" in data and not fake.requests
+        w.close()
+    run(scenario, head_timeout=1.0)
 
 
 def test_proxy_streams_and_cancels_when_the_client_goes():
@@ -349,7 +413,83 @@ def test_proxy_refusals_and_health():
         status, _, data = await ask(request("POST", "/v2/models/m/generate", b'{"text_input": "x"}'))
         assert status == 503 and b"restarting" in data
         assert (await ask(request("GET", "/v2/models/m/config")))[0] == 503
-        assert (await ask(b"GARBAGE\r\n\r\n"))[0] == 400
-        assert (await ask(b"GET /v2/models/m HTTP/1.1\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"))[0] == 431
+        # what the HTTP server (uvicorn, h11) cannot parse gets 400 and the connection's end (no framing to read)
+        async def status_of(raw: bytes) -> bytes:
+            r, w = await asyncio.open_connection("127.0.0.1", front.port)
+            w.write(raw)
+            out = await asyncio.wait_for(r.read(), 5)
+            w.close()
+            return out.split(b"\r\n", 1)[0]
+        assert await status_of(b"GARBAGE\r\n\r\n") == b"HTTP/1.1 400 Bad Request"
+        # (a Host header: without one h11 refuses an HTTP/1.1 request with 400 before its size matters)
+        assert (await ask(b"GET /v2/models/m HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"))[0] == 431
         assert (await ask(b"GET http://x/v2/repository/index HTTP/1.1\r\nHost: x\r\n\r\n"))[0] == 400
+    run(scenario)
+
+
+def test_openai_api_through_the_official_client():
+    """The OpenAI API (v1.py) over a fake generate_stream, driven by the `openai` client: models, an answer, its
+    stream (the role, one chunk per event, the finish, the usage), refusals in OpenAI's shape with their status
+    (pydantic's checks, the model's 400 before the first chunk), an error event mid-stream, a cut stream, and a
+    client that hangs up (the upstream connection is closed)."""
+    openai = pytest.importorskip("openai")
+
+    async def scenario(front, sup, fake):
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="none", max_retries=0)
+        hi = [{"role": "user", "content": "hi"}]
+        try:
+            assert [m.id for m in (await c.models.list()).data] == ["chat"]
+            assert (await c.models.retrieve("chat")).id == "chat"
+            r = await c.chat.completions.create(model="chat", messages=hi, max_tokens=3, temperature=0)
+            assert r.choices[0].message.content == "abc" and r.choices[0].finish_reason == "length"
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2, 3) and not front.inflight
+            sent = json.loads(fake.requests[-1][3])
+            assert json.loads(sent.pop("messages")) == hi and sent == {"max_tokens": 3, "temperature": 0.0,
+                                                                       "top_p": 1.0, "stream": True}
+            chunks = [ch async for ch in await c.chat.completions.create(
+                model="chat", messages=hi, temperature=0, stream=True, stream_options={"include_usage": True})]
+            assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 3
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "abc"
+            text = await c.completions.create(model="chat", prompt="p", temperature=0)
+            assert text.choices[0].text == "abc" and text.object == "text_completion"
+            for kwargs, status, param in (({"temperature": 5}, 400, "temperature"), ({"model": "nope"}, 404, "model"),
+                                          ({"extra_body": {"knob": 1}}, 400, "knob"),
+                                          ({"messages": [{"role": "user", "content": "refuse"}]}, 400, None)):
+                with pytest.raises(openai.APIStatusError) as e:
+                    await c.chat.completions.create(**{"model": "chat", "messages": hi, **kwargs})
+                err = e.value.response.json()["error"]
+                assert e.value.status_code == status and err["param"] == param and set(err) == {
+                    "message", "type", "param", "code"}, err
+            with pytest.raises(openai.APIStatusError) as e:                 # refused before the first chunk
+                await c.chat.completions.create(model="chat", stream=True, messages=[{"role": "user",
+                                                                                      "content": "refuse"}])
+            assert e.value.status_code == 400 and "beyond the context" in e.value.message
+            with pytest.raises(openai.APIError, match="boom"):              # an error event after the first chunk
+                async for _ in await c.chat.completions.create(model="chat", stream=True, messages=[
+                        {"role": "user", "content": "fail"}]):
+                    pass
+            stream = await c.chat.completions.create(model="chat", stream=True, messages=[{"role": "user",
+                                                                                          "content": "slow"}])
+            first = await anext(stream.__aiter__())
+            assert first.choices[0].delta.role == "assistant"
+            assert front.cut(front.pending("chat"), "chat died") == 1
+            with pytest.raises(openai.APIError, match="chat died"):
+                async for _ in stream:
+                    pass
+        finally:
+            await c.close()
+        fake.closed.clear()                                               # a client that hangs up mid-stream
+        r, w = await asyncio.open_connection("127.0.0.1", front.port)
+        w.write(request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "chat", "stream": True, "messages": [{"role": "user", "content": "slow"}]}).encode(),
+            "Content-Type: application/json\r\n"))
+        head = b""
+        while head.count(b"data:") < 2:
+            head += await r.read(1024)
+        t0 = time.monotonic()
+        w.close()
+        await asyncio.wait_for(fake.closed.wait(), 3)
+        assert time.monotonic() - t0 < 2.0                                  # not the 4 s the whole stream takes
+        while front.inflight:
+            await asyncio.sleep(0.01)
     run(scenario)
