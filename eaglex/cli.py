@@ -157,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="llama.cpp EAGLE-3 draft settings swept per target (--spec-draft-n-max N / "
                           "--spec-draft-p-min P, on the first 4 prompts against its vanilla); the fastest is "
                           "benched (default: n-max 2, 4, 8 x p-min 0, 0.5, 0.75; one setting: no sweep)")
+    ben.add_argument("--vllm", metavar="PYTHON",
+                     help="vLLM peers: the python of vLLM's CPU venv (`make vllm-venv`: build/vllm-venv/bin/python), "
+                          "running vLLM vanilla and vLLM's EAGLE-3 with the --draft head on a float32 copy of the "
+                          "target folder (--target, else the first --engine's), interleaved with eaglex vanilla on "
+                          "the same cores. Left out with one line when it is not there or vLLM does not start; "
+                          "reported, never failing the run (default: none)")
+    ben.add_argument("--vllm-ks", metavar="K,...",
+                     help="vLLM EAGLE-3 num_speculative_tokens swept on the first 4 prompts against vLLM vanilla; "
+                          "the fastest is benched (default: 1,2,3,4; one value: no sweep)")
     ben.add_argument("--batch-sizes", metavar="B,...",
                      help="also decode every prompt through in-flight batching (generate --batch B) at these sizes, "
                           "vanilla and the engine's batch schedule, beside batch tuning's figures, e.g. 1,4,16 "
@@ -530,9 +539,10 @@ def cmd_bench(args) -> int:
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     sizes = _batch_sizes(args.batch_sizes)
     llamacpp, server = _llamacpp_from_args(args, engines)
+    vllm = _vllm_from_args(args, engines)
     rows = bench.run(engines, prompts, trees, args.max_new_tokens, args.target, args.draft_lm, not args.no_peers,
                      args.threads or None, args.out, device=device, llamacpp=llamacpp, llamacpp_server=server,
-                     batch_sizes=sizes)
+                     batch_sizes=sizes, vllm=vllm)
     if args.plot:
         try:
             from eaglex.bench_plot import plot_file
@@ -557,16 +567,39 @@ def _batch_sizes(text: str | None) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _bench_target(args, engines) -> Path | None:
+    """The peers' target folder: --target, else the folder the first engine was built from (its manifest's source
+    path)."""
+    if args.target is not None:
+        return args.target
+    manifest = next((e.manifest for _, e in engines if e.manifest), None) or {}
+    path = manifest.get("sources", {}).get("target", {}).get("path")
+    return Path(path) if path else None
+
+
+def _vllm_from_args(args, engines):
+    """bench --vllm / --vllm-ks as a VllmConfig, or None (with one line saying why, when --vllm was given)."""
+    from eaglex.vllm_peer import VllmConfig, find_python, parse_ks, vllm_target
+    ks = parse_ks(getattr(args, "vllm_ks", None))             # a bad spelling fails before anything runs
+    python = find_python(getattr(args, "vllm", None))
+    if python is None:
+        return None
+    target = _bench_target(args, engines)
+    if target is None or not (Path(target) / "config.json").is_file():
+        print(f"vLLM peers: skipped (no Hugging Face target folder: {target or 'none'}; pass --target)",
+              file=sys.stderr)
+        return None
+    if args.draft is None:
+        print("vLLM EAGLE-3: skipped (pass --draft HEAD, the EAGLE-3 head folder); vLLM vanilla only", file=sys.stderr)
+    return VllmConfig(python=python, target=vllm_target(Path(target)), head=args.draft, ks=ks)
+
+
 def _llamacpp_from_args(args, engines):
     """bench --llamacpp / --llamacpp-server as (LlamaCppConfig or None, ServerPeerConfig or None). The target
-    folder: --target, else the folder the first engine was built from (its manifest's source path)."""
+    folder: see _bench_target."""
     from eaglex.llamacpp_peer import cache_dir, find_source, resolve
     from eaglex.llamacpp_server import ServerPeerConfig, find_bin, parse_drafts
-    target = args.target
-    if target is None:
-        manifest = next((e.manifest for _, e in engines if e.manifest), None) or {}
-        path = manifest.get("sources", {}).get("target", {}).get("path")
-        target = Path(path) if path else None
+    target = _bench_target(args, engines)
     hint = getattr(args, "gguf_sources", {}).get("target")
     binding = resolve(args.llamacpp, target, hint)
     drafts = parse_drafts(args.llamacpp_drafts)                 # a bad spelling fails before anything runs
