@@ -2,6 +2,7 @@
 The peers (eaglex/llamacpp_peer.py, eaglex/llamacpp_server.py) report in the same rows."""
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass, field
 
@@ -96,6 +97,22 @@ class Alongside:
 
     def rates(self) -> dict[str, float]:
         return {k: round(self.tokens[k] / s, 2) for k, s in self.seconds.items() if s}
+
+
+def interleaved(calls: dict, prompts: list[list[int]], max_new_tokens: int, max_context: int,
+                alongside: Alongside, baselines: dict | None):
+    """A peer's measured run: per prompt, every call once (`calls[key](prompt, limit)`, each returning ids and
+    seconds first) in a seeded shuffled order, so that no row always runs first or last; the eaglex baselines' runs
+    (keys ("eaglex", name)) go into `alongside`. Yields (prompt index, limit, {key: result})."""
+    order = random.Random(0)
+    for i, p in enumerate(prompts):
+        limit = min(max_new_tokens, max_context - len(p))
+        keys = list(calls)
+        order.shuffle(keys)
+        got = {k: calls[k](p, limit) for k in keys}
+        for name in baselines or {}:
+            alongside.add(name, *got[("eaglex", name)][:2])
+        yield i, limit, got
 
 
 def peer_label(r: dict) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Alongside, Row
+from eaglex.bench_row import Alongside, Row, interleaved
 from eaglex.llamacpp_build import compiled_features
 from eaglex.models.gguf import MARKER, default_cache_dir, file_sha256, inspect_gguf, is_gguf_path
 
@@ -219,14 +218,7 @@ def run_llamacpp_peers(cfg: LlamaCppConfig, prompts: list[list[int]], max_new_to
     alongside = Alongside()
     for call in calls.values():
         call(prompts[0], 8)                                 # warm-up: allocations, page-in of the weights
-    order = random.Random(0)
-    for i, p in enumerate(prompts):
-        limit = min(max_new_tokens, max_context - len(p))
-        keys = list(calls)
-        order.shuffle(keys)                                 # no row always runs first or last
-        results = {k: calls[k](p, limit) for k in keys}
-        for name in baselines or {}:
-            alongside.add(name, *results[("eaglex", name)])
+    for i, _, results in interleaved(calls, prompts, max_new_tokens, max_context, alongside, baselines):
         for k, r in rows.items():
             ids, sec = results[k]
             r.requests += 1

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Alongside, Row
+from eaglex.bench_row import Alongside, Row, interleaved
 from eaglex.llamacpp_build import compiled_features
 
 BUILD = "tools/build_llamacpp.sh"
@@ -300,15 +300,8 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
         alongside = Alongside()
         for call in calls.values():
             call(prompts[0], 8)                              # warm-up: allocations, page-in of the weights
-        order = random.Random(0)
         tallies = {k: _Tally() for k in servers}
-        for i, p in enumerate(prompts):
-            limit = min(max_new_tokens, max_context - len(p))
-            keys = list(calls)
-            order.shuffle(keys)                              # no row always runs first or last
-            got = {k: calls[k](p, limit) for k in keys}
-            for name in baselines or {}:
-                alongside.add(name, *got[("eaglex", name)][:2])
+        for i, limit, got in interleaved(calls, prompts, max_new_tokens, max_context, alongside, baselines):
             for (e, method), t in tallies.items():
                 ids, sec, timings = got[(e, method)]
                 ids = _eos_stop(ids, limit, eos)

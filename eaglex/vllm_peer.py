@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Alongside, Row
+from eaglex.bench_row import Alongside, Row, interleaved
 from eaglex.llamacpp_server import _eos_stop
 from eaglex.vllm_env import ld_preload, preloads
 
@@ -424,28 +424,21 @@ def _measure(cfg, workers, chosen, sweep, found, prompts, max_new_tokens, thread
     """The measured run: every vLLM worker and eaglex vanilla per prompt, in a seeded shuffled order."""
     calls = {k: (lambda p, n, w=w: w.generate(p, n)) for k, w in workers.items()}
     for name, b in (baselines or {}).items():
-        calls[("eaglex", name)] = lambda p, n, b=b: dict(zip(("ids", "seconds"), b(p, n)))
+        calls[("eaglex", name)] = b
     first = ("eaglex", next(iter(baselines))) if baselines else None
     for key, call in calls.items():
         if key != "vanilla":                                # vanilla warmed up before the sweep
             call(prompts[0], 8)
     alongside = Alongside()
     tallies = {k: _Tally() for k in workers}
-    order = random.Random(0)
-    for i, p in enumerate(prompts):
-        limit = min(max_new_tokens, max_context - len(p))
-        keys = list(calls)
-        order.shuffle(keys)                                 # no row always runs first or last
-        got = {k: calls[k](p, limit) for k in keys}
-        for name in baselines or {}:
-            alongside.add(name, got[("eaglex", name)]["ids"], got[("eaglex", name)]["seconds"])
+    for i, limit, got in interleaved(calls, prompts, max_new_tokens, max_context, alongside, baselines):
         vanilla_ids = _eos_stop(got["vanilla"]["ids"], limit, eos)
         for k, t in tallies.items():
             ids = _eos_stop(got[k]["ids"], limit, eos)
             t.requests += 1
             t.tokens += len(ids)
             t.seconds += got[k]["seconds"]
-            t.base_seconds += got[first]["seconds"] if first else got["vanilla"]["seconds"]
+            t.base_seconds += got[first][1] if first else got["vanilla"]["seconds"]
             t.drafts += int(got[k].get("drafts", 0))
             t.accepted += int(got[k].get("accepted", 0))
             ours = reference is not None and ids == reference[i]
