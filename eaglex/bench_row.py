@@ -99,6 +99,14 @@ class Alongside:
         return {k: round(self.tokens[k] / s, 2) for k, s in self.seconds.items() if s}
 
 
+def eos_stop(ids: list[int], limit: int, eos: set[int]) -> list[int]:
+    """A peer's tokens cut as eaglex cuts: at the first EOS id (kept), at most `limit`."""
+    for i, t in enumerate(ids[:limit]):
+        if t in eos:
+            return ids[: i + 1]
+    return ids[:limit]
+
+
 def interleaved(calls: dict, prompts: list[list[int]], max_new_tokens: int, max_context: int,
                 alongside: Alongside, baselines: dict | None):
     """A peer's measured run: per prompt, every call once (`calls[key](prompt, limit)`, each returning ids and

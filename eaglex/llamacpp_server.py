@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Alongside, Row, interleaved
+from eaglex.bench_row import Alongside, Row, eos_stop, interleaved
 from eaglex.llamacpp_build import compiled_features
 
 BUILD = "tools/build_llamacpp.sh"
@@ -203,14 +203,6 @@ class _Tally:
         return tau(self.after_first + 1, self.accepted)
 
 
-def _eos_stop(ids: list[int], limit: int, eos: set[int]) -> list[int]:
-    """llama-server's tokens cut as eaglex cuts: at the first EOS id (kept), at most `limit`."""
-    for i, t in enumerate(ids[:limit]):
-        if t in eos:
-            return ids[: i + 1]
-    return ids[:limit]
-
-
 def _sweep(bin_dir, target, head, drafts, prompts, tokens, threads, n_ctx, logs, log) -> tuple[Draft, str]:
     """The fastest draft setting on `target` (speedup over its vanilla, interleaved per prompt) and a summary."""
     if len(drafts) == 1:
@@ -304,10 +296,10 @@ def run_server_peers(cfg: ServerPeerConfig, prompts: list[list[int]], max_new_to
         for i, limit, got in interleaved(calls, prompts, max_new_tokens, max_context, alongside, baselines):
             for (e, method), t in tallies.items():
                 ids, sec, timings = got[(e, method)]
-                ids = _eos_stop(ids, limit, eos)
+                ids = eos_stop(ids, limit, eos)
                 base = got[first][1] if first else got[(e, "vanilla")][1]
                 ref = (reference[i] if reference is not None else None) if method == "vanilla" else \
-                    _eos_stop(got[(e, "vanilla")][0], limit, eos)
+                    eos_stop(got[(e, "vanilla")][0], limit, eos)
                 t.add(ids, sec, timings, base, ref)
     # llama-server logs its system_info only at higher verbosity; else the cmake flags tools/build_llamacpp.sh stored
     flags = cfg.bin_dir / "flags"

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
-from eaglex.bench_row import Alongside, Row, interleaved
-from eaglex.llamacpp_server import _eos_stop
+from eaglex.bench_row import Alongside, Row, eos_stop, interleaved
 from eaglex.vllm_env import ld_preload, preloads
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -432,9 +431,9 @@ def _measure(cfg, workers, chosen, sweep, found, prompts, max_new_tokens, thread
     alongside = Alongside()
     tallies = {k: _Tally() for k in workers}
     for i, limit, got in interleaved(calls, prompts, max_new_tokens, max_context, alongside, baselines):
-        vanilla_ids = _eos_stop(got["vanilla"]["ids"], limit, eos)
+        vanilla_ids = eos_stop(got["vanilla"]["ids"], limit, eos)
         for k, t in tallies.items():
-            ids = _eos_stop(got[k]["ids"], limit, eos)
+            ids = eos_stop(got[k]["ids"], limit, eos)
             t.requests += 1
             t.tokens += len(ids)
             t.seconds += got[k]["seconds"]

@@ -15,6 +15,7 @@ gguf = pytest.importorskip("gguf")
 
 from eaglex import llamacpp_server as S  # noqa: E402
 from eaglex.base.errors import ModelError  # noqa: E402
+from eaglex.bench_row import eos_stop  # noqa: E402
 from eaglex.cli import main  # noqa: E402
 from eaglex.export import llamacpp as X  # noqa: E402
 from eaglex.presets import REPO_ROOT, get_preset, packaged_file  # noqa: E402
@@ -166,7 +167,7 @@ def test_tau_counts_tokens_per_target_forward(generated, accepted, want):
     ([2], 8, [2]),
 ])
 def test_eos_stop(ids, limit, want):
-    assert S._eos_stop(ids, limit, {2}) == want
+    assert eos_stop(ids, limit, {2}) == want
 
 
 def test_find_bin(tmp_path, monkeypatch):
