@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import replace
 
-from eaglex.runtime.batch import BATCH_TOKENS
+from eaglex.runtime.autotune import BATCH_TOKENS
 
 
 def _vanilla(engine):

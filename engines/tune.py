@@ -11,8 +11,7 @@ import os
 import platform
 import sys
 
-from eaglex.runtime.autotune import autotune
-from eaglex.runtime.batch import BATCH_SIZES, BATCH_TOKENS, BATCH_TREES, tune_schedule
+from eaglex.runtime.autotune import BATCH_SIZES, BATCH_TOKENS, BATCH_TREES, autotune, tune_schedule
 from eaglex.runtime.cost import cost_curve, measure_curve
 from eaglex.runtime.manifest import read_manifest, write_manifest
 from eaglex.runtime.types import TreeConfig
@@ -75,7 +74,7 @@ def tune_engine(engine, prompts: list[list[int]], force: bool = False, log=print
 
 
 def tune_batching(engine, prompts: list[list[int]], manifest: dict, log=print, write: bool = True) -> None:
-    """Measure the batch schedule (runtime/batch.tune_schedule: vanilla batching vs chains and the trees of
+    """Measure the batch schedule (runtime/autotune.tune_schedule: vanilla batching vs chains and the trees of
     batch_trees at 1..16 requests in flight) and store it as the manifest's `batch_schedule`, with the measured
     table under tuning.batch."""
     if not getattr(engine.backend, "batch_exact", True):

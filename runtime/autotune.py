@@ -1,4 +1,6 @@
-"""`--tree auto`: pick the draft tree for this machine and this model by measuring, not by GPU folklore.
+"""Tuning by measurement: the tree a request alone drafts (`--tree auto`, autotune) and the tree by number of
+requests in flight (the batch schedule, tune_schedule), for this machine and this model, not by GPU folklore.
+engines/tune.py stores what they measure in an engine's manifest.
 
 On a GPU a 60-node tree verifies almost for free; on a CPU a target forward over N tokens costs 1.4-6x a one-token
 forward, so the best shape depends on the hardware, the model size and how well the head agrees. The tuner runs
@@ -8,11 +10,17 @@ sizes each cycle's tree by the measured cost curve (runtime/cost.py): it is kept
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .batch import BatchedGenerator, Schedule
 from .generate import SpeculativeGenerator, VanillaGenerator
+from .request import Request
 from .types import TreeConfig
 
+# The one ladder of trees tuning measures: all of it for a request alone; with requests in flight its chains up to
+# 4 deep and its smallest dynamic tree (BATCH_CHAINS, BATCH_TREES).
 CANDIDATES = tuple(TreeConfig.parse(t) for t in (
     "chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "dynamic:6/4/2", "dynamic:8/5/3",
     "dynamic:10/6/3", "dynamic:12/6/4", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10", "cost:6/4"))
@@ -93,3 +101,99 @@ def _rows(candidates, base, acc) -> list[TuneRow]:
     for t, (s, n, lengths, same) in zip(candidates, acc):
         rows.append(TuneRow(t, s, n, sum(lengths) / max(len(lengths), 1), same))
     return rows
+
+
+# ------------------------------------------------------------------------------------------- the batch schedule
+
+BATCH_SIZES = (1, 2, 4, 8, 16)
+BATCH_CHAINS = tuple(t.depth for t in CANDIDATES if t.kind == "chain" and t.depth <= 4)
+# Trees tried beside the chains (with the engine's own single-request tree, engines/tune.py): the smallest dynamic
+# tree of the ladder, the cheapest tree that still branches.
+BATCH_TREES = (min((t for t in CANDIDATES if t.kind == "dynamic"), key=lambda t: t.max_nodes),)
+# New tokens per request while tuning: an answer's body, not just its opening. At 24 tokens the tiny default measured
+# chain:6 alone no faster than vanilla and picked vanilla from 4 requests on, where its 256-token requests run chain:6
+# alone 1.8x vanilla and speculation still pays at 16 (eaglex bench --batch-sizes).
+BATCH_TOKENS = 96
+# Requests each candidate decodes per batch size at least, in rounds of B (prompts rotated): one request alone
+# measures its prompt's acceptance, not the family's (on SmolLM2 a batch of one on a code prompt ran chain:4 at 3.6x
+# vanilla, where the single-request ladder over 8 prompts measured 1.7x).
+BATCH_MIN_REQUESTS = 4
+
+
+def run_batch(batcher: Callable[[int, Schedule], BatchedGenerator], tree: TreeConfig | None,
+              prompts: list[list[int]], size: int, max_new_tokens: int, first: int = 0) -> tuple[int, float, list[Request]]:
+    """`size` requests (prompts cycled from index `first`) started together on `tree` (None: vanilla) in the
+    generator `batcher(size, schedule)` makes (Engine.batcher: the one `generate --batch` and the server decode
+    with), run to the end -> (tokens decoded after their admission, the seconds that took, the requests in
+    submission order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
+    gen = batcher(size, Schedule.fixed(tree))
+    reqs = [gen.submit(prompts[(first + i) % len(prompts)], max_new_tokens) for i in range(size)]
+    gen.step()
+    running = list(gen.active)
+    tokens = -sum(len(r.result.output_ids) for r in running)
+    t = time.perf_counter()
+    gen.run()
+    seconds = time.perf_counter() - t
+    tokens += sum(len(r.result.output_ids) for r in running)
+    return tokens, seconds, reqs
+
+
+def tune_schedule(batcher: Callable[[int, Schedule], BatchedGenerator], prompts: list[list[int]],
+                  sizes: tuple[int, ...] = BATCH_SIZES, chains: tuple[int, ...] = BATCH_CHAINS,
+                  trees: tuple[TreeConfig, ...] = BATCH_TREES, max_new_tokens: int = BATCH_TOKENS,
+                  chain_only: bool = False) -> tuple[Schedule, dict[int, dict[str, float]]]:
+    """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
+    of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
+    round, BATCH_MIN_REQUESTS requests each at least; a candidate's rate is its tokens over its seconds, all rounds
+    together) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger
+    sizes are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then
+    only while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
+    wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
+    not win at more; this keeps their cost to the sizes where they can win. Trees other than chains are left out
+    for an engine exact with chains only (`chain_only`).
+    `batcher(B, schedule)`: a generator of at least B slots over a model with a draft head (Engine.batcher).
+    -> (schedule, {B: {tree: tokens/s}})."""
+    ladder = [TreeConfig.chain(k) for k in chains]
+    wide = [t for t in dict.fromkeys(trees) if t not in ladder and (t.kind == "chain" or not chain_only)]
+    table: dict[int, dict[str, float]] = {}
+    for tree in [None] + ladder + wide:             # warm-up: a first call of each candidate's shapes allocates
+        run_batch(batcher, tree, prompts, 1, 4)
+    for B in sizes:
+        last = table[max(table)] if table else None
+        try_wide = last is None or max(last, key=last.get) in map(str, wide)
+        shapes = {str(tree or "vanilla"): tree for tree in [None] + ladder + (wide if try_wide else [])}
+        tokens, seconds = dict.fromkeys(shapes, 0), dict.fromkeys(shapes, 0.0)
+        for r in range(-(-BATCH_MIN_REQUESTS // B)):
+            for k, tree in shapes.items():
+                n, sec, _ = run_batch(batcher, tree, prompts, B, max_new_tokens, r * B)
+                tokens[k] += n
+                seconds[k] += sec
+        rates = {k: round(n / seconds[k], 2) if seconds[k] else 0.0 for k, n in tokens.items()}
+        table[B] = rates
+        if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
+            break
+    return schedule_from(table), table
+
+
+SCHEDULE_MARGIN = 0.05         # a tree must beat vanilla batching by this much: interleaved tuning runs differ ~±5 %
+
+
+def schedule_from(table: dict[int, dict[str, float]], margin: float = SCHEDULE_MARGIN) -> Schedule:
+    """{B: {"vanilla" | tree: tokens/s}} -> the schedule: at each measured B (ascending) the fastest tree if it beats
+    vanilla batching by more than `margin` (a smaller lead is within the measurement's noise, and speculation that
+    does not clearly pay only risks running slower than vanilla), else vanilla, and vanilla from the first such B
+    on at every larger size. Verification grows compute-bound with the batch, so a tree that lost to vanilla at B
+    requests does not win at more; a later "win" in the table is noise, and following it would flip speculation on
+    and off as load moves."""
+    steps: list[tuple[int, TreeConfig | None]] = []
+    for B in sorted(table):
+        rates = table[B]
+        trees = {k: v for k, v in rates.items() if k != "vanilla"}
+        best = max(trees, key=trees.get, default=None)
+        win = best is not None and trees[best] > (1 + margin) * rates.get("vanilla", 0.0)
+        tree = TreeConfig.parse(best) if win else None
+        if not steps or steps[-1][1] != tree:
+            steps.append((1 if not steps else B, tree))
+        if tree is None:
+            break
+    return Schedule(tuple(steps) or ((1, None),))

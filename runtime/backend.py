@@ -1,35 +1,22 @@
-"""The one interface every execution backend implements, and the one KV-cache protocol behind it.
+"""The one interface every execution backend implements (PyTorch: torch_backend.py; ONNX Runtime: ort_backend.py),
+and the slot bookkeeping both share.
 
-A backend owns the target, the optional draft head and `slots` KV slots for each: one request per slot. The
-single-request backends (PyTorch: torch_backend.py; ONNX Runtime: ort_backend.py) have one slot, the batched ones
-(batch_backend.py, ort_batch.py) many over the same models. Forwards take `rows`, a slice of slots (the batch
-0..B, or one slot), and append rows after each slot's committed ones without committing them; the generator core
-(batch.py) commits the rows the verifier accepted. Masks passed in cover only the uncommitted rows
-(`[B, N, pending + N]` bool, True = attend): committed rows are always visible.
+A backend owns the target, the optional draft head and `slots` KV slots for each: one request per slot. A backend
+opened on model files has one slot (a lone request is a batch of one); `with_slots(n)` gives the same models with
+n slots for the in-flight batcher. Forwards take `rows`, a slice of slots (the batch 0..B, or one slot), and
+append rows after each slot's committed ones without committing them; the generator core (batch.py) commits the
+rows the verifier accepted. Masks passed in cover only the uncommitted rows (`[B, N, pending + N]` bool, True =
+attend): committed rows are always visible.
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
-from eaglex.models.target import TargetSpec, causal_mask
-
-
-class KVCache(Protocol):
-    """A single-request cache (torch: kv_cache.TorchKVCache; ORT: ort_cache.OrtKVCache). A forward appends its rows
-    as pending; commit(keep) makes the kept pending rows (indices, in order) the next committed rows, rollback()
-    drops every pending row."""
-    length: int     # committed rows
-    pending: int    # rows appended since the last commit / rollback
-    capacity: int
-
-    def reset(self, capacity: int) -> None:
-        """Empty, with room for `capacity` rows."""
-
-    def commit(self, keep: torch.Tensor) -> None: ...
-
-    def rollback(self) -> None: ...
+from eaglex.models.target import TargetSpec
 
 
 class Backend(Protocol):
@@ -68,49 +55,99 @@ class Backend(Protocol):
         """Slot src's committed rows into slot dst (the core keeps the active slots contiguous)."""
 
 
-ONE = slice(0, 1)   # the one slot of a single-request backend
+    def with_slots(self, slots: int, extra_rows: int = 0, context: int | None = None) -> Backend:
+        """The same models with `slots` slots of `context` (default the model's) + `extra_rows` rows each."""
 
 
-class CachedBackend:
-    """The slot half of the Backend protocol for the single-request backends: one slot, whose target and draft
-    (None without a head) caches `tcache` and `dcache` implement KVCache."""
-    slots = 1
-    tcache: KVCache
-    dcache: KVCache | None
+ONE = slice(0, 1)   # the first slot: a lone request's
 
-    def reset(self, capacity: int, draft_capacity: int | None = None) -> None:
-        self.tcache.reset(capacity)
-        if self.dcache is not None:
-            self.dcache.reset(draft_capacity or capacity)
 
-    def target_commit(self, slot: int, keep: torch.Tensor) -> None:
-        self.tcache.commit(keep)
+class SlotCounts:
+    """What every per-slot KV cache counts: per slot the committed rows `length` (in context order: a row's index
+    is its position, as in vanilla decoding) and the `pending` rows forwards appended since its last commit or
+    rollback; a cache copies the rows in `_copy`."""
 
-    def draft_commit(self, slot: int, keep: torch.Tensor) -> None:
-        self.dcache.commit(keep)
+    def __init__(self, slots: int):
+        self.length = [0] * slots
+        self.pending = [0] * slots
 
-    def draft_rollback(self, rows: slice) -> None:
-        self.dcache.rollback()
+    def rollback(self, rows: slice) -> None:
+        for s in range(rows.start, rows.stop):
+            self.pending[s] = 0
 
     def clear(self, slot: int) -> None:
-        self.reset(self.tcache.capacity, self.dcache.capacity if self.dcache is not None else None)
+        self.length[slot] = self.pending[slot] = 0
 
     def move(self, src: int, dst: int) -> None:
-        raise RuntimeError("a single-request backend has one slot")
+        """Copy slot src's committed rows into slot dst (the batcher keeps active slots contiguous)."""
+        n = self.length[src]
+        if n:
+            self._copy(src, dst, n)
+        self.length[dst], self.pending[dst] = n, 0
+        self.clear(src)
 
-    @staticmethod
-    def check_rows(rows: slice) -> None:
-        if rows != ONE:
-            raise ValueError(f"a single-request backend has one slot (rows 0:1), not {rows.start}:{rows.stop}")
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        raise NotImplementedError
 
 
-def full_mask(mask: torch.Tensor | None, batch: int, n: int, committed: int, pending: int,
-              device: torch.device | None = None) -> torch.Tensor:
-    """[B,1,N,committed+pending+N] bool attention mask from a mask over the uncommitted rows (None = causal), on
-    `device` (default: the mask's, else the CPU)."""
-    if mask is None:
-        return causal_mask(n, committed + pending, batch, device)
-    if device is not None and mask.device != device:
-        mask = mask.to(device, non_blocking=True)
-    past = torch.ones(batch, n, committed, dtype=torch.bool, device=mask.device)
-    return torch.cat([past, mask], -1).unsqueeze(1)
+class SlotBackend:
+    """The slot half of the Backend protocol, over a target and an optional draft cache (`tcache`, `dcache`: None
+    without a head), which a backend makes in `_caches(slots, capacity)`. `source` is the backend whose models
+    these slots run (None for the one opened on the files; cost.cost_curve reads it)."""
+    slots: int
+    spec: TargetSpec
+    source = None
+
+    def _caches(self, slots: int, capacity: int) -> tuple:
+        raise NotImplementedError
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        if slots < 1:
+            raise ValueError(f"the batch needs at least one slot, got {slots}")
+        self.slots = slots
+        self.tcache, self.dcache = self._caches(slots, capacity)
+
+    def with_slots(self, slots: int, extra_rows: int = 0, context: int | None = None):
+        other = copy.copy(self)            # the same models and sessions: no second copy of the weights
+        other.source = self.source or self
+        if context is not None and context < self.spec.max_context:
+            if context < 1:
+                raise ValueError(f"the context must be at least 1 token, got {context}")
+            other.spec = replace(self.spec, max_context=context)
+        other._allocate(slots, other.spec.max_context + extra_rows)
+        return other
+
+    def reset(self, capacity: int, draft_capacity: int | None = None) -> bool:
+        """-> whether a cache was reallocated (a cache only grows)."""
+        grown = False
+        for c, rows in ((self.tcache, capacity), (self.dcache, draft_capacity or capacity)):
+            if c is not None:
+                grown |= c.grow(rows)
+                for slot in range(self.slots):
+                    c.clear(slot)
+        return grown
+
+    def target_commit(self, slot: int, keep: torch.Tensor) -> None:
+        self.tcache.commit(slot, keep)
+
+    def draft_commit(self, slot: int, keep: torch.Tensor) -> None:
+        self.dcache.commit(slot, keep)
+
+    def draft_rollback(self, rows: slice) -> None:
+        self.dcache.rollback(rows)
+
+    def clear(self, slot: int) -> None:
+        for c in self.caches():
+            c.clear(slot)
+
+    def move(self, src: int, dst: int) -> None:
+        for c in self.caches():
+            c.move(src, dst)
+
+    @property
+    def slot_bytes(self) -> int:
+        """KV memory per slot, target + draft."""
+        return sum(c.slot_bytes for c in self.caches())
+
+    def caches(self):
+        return [c for c in (self.tcache, self.dcache) if c is not None]

@@ -1,7 +1,7 @@
 """The generator core: one model copy decodes one request or many, which join and leave between steps.
 
 A lone request is a batch of one: the single-request generators (generate.py) run this core over a backend with
-one slot, the in-flight batcher over a batched backend (batch_backend.py) with many, so both decode with the same
+one slot, the in-flight batcher over the same models with many (Backend.with_slots), so both decode with the same
 code. Each request has its own KV slot (target and draft), sampling settings, seed stream, stop rules
 (request.Emitter) and GenerationResult. A step runs one cycle for every active request, in one of two ways, picked by
 a `Schedule` from the number of active requests (so that speculation is turned down as the batch grows):
@@ -25,7 +25,7 @@ Prefill stays out of the batched forwards: a joining request's prompt runs alone
 Exactness: a request's greedy tokens are the target's argmax given its own context, whatever else is in the
 batch; a sampled request's token at output position t is the target's draw there under its seed (sampling.draw),
 whatever the tree or the batch, so it is the token vanilla decoding alone draws with that seed. Batched forwards
-round differently from a request alone at the 1e-5 level (see batch_backend.py): near a tie that can change which
+round differently from a request alone at the 1e-5 level (see torch_backend.py): near a tie that can change which
 tokens the draft proposes, never what the target emits, unless the target's own choice is tied within that.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from eaglex.base.errors import ModelError
 
 from .cost import cost_curve
 from .device import to_device
@@ -132,8 +134,8 @@ class BatchedGenerator:
         if trees and backend.draft_kind is None:
             raise ValueError("speculative decoding needs a draft head")
         if getattr(backend, "exact_trees", None) == "chain" and any(t.kind != "chain" for t in trees):
-            raise ValueError(f"this engine's output stays identical to vanilla decoding with chain trees only, "
-                             f"not the schedule {self.schedule}")
+            raise ModelError(f"this engine's output stays identical to vanilla decoding with chain trees only "
+                             f"(int8 activations), not {self.schedule}: use --tree chain:N")
         cost = cost_curve(backend) if any(t.kind == "cost" for t in trees) else None
         self.drafters = {t: Drafter(t, cost if t.kind == "cost" else None) for t in trees}
         self.top_k = self.schedule.top_k
@@ -377,97 +379,3 @@ class BatchedGenerator:
         req.result.seconds = req.finished_at - (req.admitted or req.finished_at)
         self.clock.settle(req)
         return req
-
-
-BATCH_SIZES = (1, 2, 4, 8, 16)
-BATCH_CHAINS = (1, 2, 3, 4)
-# Trees tried beside the chains (with the engine's own single-request tree, engines/tune.py): the smallest dynamic
-# tree of the single-request ladder (runtime/autotune.py), the cheapest tree that still branches.
-BATCH_TREES = (TreeConfig.parse("dynamic:6/4/2"),)
-# New tokens per request while tuning: an answer's body, not just its opening. At 24 tokens the tiny default measured
-# chain:6 alone no faster than vanilla and picked vanilla from 4 requests on, where its 256-token requests run chain:6
-# alone 1.8x vanilla and speculation still pays at 16 (eaglex bench --batch-sizes).
-BATCH_TOKENS = 96
-# Requests each candidate decodes per batch size at least, in rounds of B (prompts rotated): one request alone
-# measures its prompt's acceptance, not the family's (on SmolLM2 a batch of one on a code prompt ran chain:4 at 3.6x
-# vanilla, where the single-request ladder over 8 prompts measured 1.7x).
-BATCH_MIN_REQUESTS = 4
-
-
-def run_batch(batcher: Callable[[int, Schedule], BatchedGenerator], tree: TreeConfig | None,
-              prompts: list[list[int]], size: int, max_new_tokens: int, first: int = 0) -> tuple[int, float, list[Request]]:
-    """`size` requests (prompts cycled from index `first`) started together on `tree` (None: vanilla) in the
-    generator `batcher(size, schedule)` makes (Engine.batcher: the one `generate --batch` and the server decode
-    with), run to the end -> (tokens decoded after their admission, the seconds that took, the requests in
-    submission order). Admission (the prefills) is the same whatever the tree, so it is not timed."""
-    gen = batcher(size, Schedule.fixed(tree))
-    reqs = [gen.submit(prompts[(first + i) % len(prompts)], max_new_tokens) for i in range(size)]
-    gen.step()
-    running = list(gen.active)
-    tokens = -sum(len(r.result.output_ids) for r in running)
-    t = time.perf_counter()
-    gen.run()
-    seconds = time.perf_counter() - t
-    tokens += sum(len(r.result.output_ids) for r in running)
-    return tokens, seconds, reqs
-
-
-def tune_schedule(batcher: Callable[[int, Schedule], BatchedGenerator], prompts: list[list[int]],
-                  sizes: tuple[int, ...] = BATCH_SIZES, chains: tuple[int, ...] = BATCH_CHAINS,
-                  trees: tuple[TreeConfig, ...] = BATCH_TREES, max_new_tokens: int = BATCH_TOKENS,
-                  chain_only: bool = False) -> tuple[Schedule, dict[int, dict[str, float]]]:
-    """Measure, for each batch size B in ascending order, aggregate tokens/s of vanilla batching, of each chain and
-    of `trees` (wider trees: dynamic or static) with B requests in flight (run_batch; candidates interleaved per
-    round, BATCH_MIN_REQUESTS requests each at least; a candidate's rate is its tokens over its seconds, all rounds
-    together) and pick the schedule from the table (schedule_from). Once vanilla batching wins at some B, larger
-    sizes are not measured: the schedule runs vanilla there anyway. `trees` are measured at the first size and then
-    only while one of them was the fastest at the size before: verification grows compute-bound with the batch, and a
-    wide tree pays more verify rows per accepted token than a chain, so one that lost to a chain at B requests does
-    not win at more; this keeps their cost to the sizes where they can win. Trees other than chains are left out
-    for an engine exact with chains only (`chain_only`).
-    `batcher(B, schedule)`: a generator of at least B slots over a model with a draft head (Engine.batcher).
-    -> (schedule, {B: {tree: tokens/s}})."""
-    ladder = [TreeConfig.chain(k) for k in chains]
-    wide = [t for t in dict.fromkeys(trees) if t not in ladder and (t.kind == "chain" or not chain_only)]
-    table: dict[int, dict[str, float]] = {}
-    for tree in [None] + ladder + wide:             # warm-up: a first call of each candidate's shapes allocates
-        run_batch(batcher, tree, prompts, 1, 4)
-    for B in sizes:
-        last = table[max(table)] if table else None
-        try_wide = last is None or max(last, key=last.get) in map(str, wide)
-        shapes = {str(tree or "vanilla"): tree for tree in [None] + ladder + (wide if try_wide else [])}
-        tokens, seconds = dict.fromkeys(shapes, 0), dict.fromkeys(shapes, 0.0)
-        for r in range(-(-BATCH_MIN_REQUESTS // B)):
-            for k, tree in shapes.items():
-                n, sec, _ = run_batch(batcher, tree, prompts, B, max_new_tokens, r * B)
-                tokens[k] += n
-                seconds[k] += sec
-        rates = {k: round(n / seconds[k], 2) if seconds[k] else 0.0 for k, n in tokens.items()}
-        table[B] = rates
-        if schedule_from({B: rates}).tree(B) is None:      # vanilla here: the schedule stays vanilla beyond
-            break
-    return schedule_from(table), table
-
-
-SCHEDULE_MARGIN = 0.05         # a tree must beat vanilla batching by this much: interleaved tuning runs differ ~±5 %
-
-
-def schedule_from(table: dict[int, dict[str, float]], margin: float = SCHEDULE_MARGIN) -> Schedule:
-    """{B: {"vanilla" | tree: tokens/s}} -> the schedule: at each measured B (ascending) the fastest tree if it beats
-    vanilla batching by more than `margin` (a smaller lead is within the measurement's noise, and speculation that
-    does not clearly pay only risks running slower than vanilla), else vanilla, and vanilla from the first such B
-    on at every larger size. Verification grows compute-bound with the batch, so a tree that lost to vanilla at B
-    requests does not win at more; a later "win" in the table is noise, and following it would flip speculation on
-    and off as load moves."""
-    steps: list[tuple[int, TreeConfig | None]] = []
-    for B in sorted(table):
-        rates = table[B]
-        trees = {k: v for k, v in rates.items() if k != "vanilla"}
-        best = max(trees, key=trees.get, default=None)
-        win = best is not None and trees[best] > (1 + margin) * rates.get("vanilla", 0.0)
-        tree = TreeConfig.parse(best) if win else None
-        if not steps or steps[-1][1] != tree:
-            steps.append((1 if not steps else B, tree))
-        if tree is None:
-            break
-    return Schedule(tuple(steps) or ((1, None),))

@@ -26,7 +26,6 @@ from eaglex.base.methods import METHODS
 from eaglex.base.prompts import has_tokenizer, load_tokenizer
 
 from .batch import BatchedGenerator, Schedule, chain_for
-from .batch_backend import batch_backend
 from .device import device_of, resolve_device
 from .generate import GenerationResult, SpeculativeGenerator, VanillaGenerator
 from .manifest import MANIFEST, default_method, manifest_tree, tuned_vanilla
@@ -89,20 +88,24 @@ class Engine:
                  on_tokens: Callable[[int, list[int]], None] | None = None,
                  batch: int = 1) -> list[GenerationResult]:
         """One result per prompt. Prompt i samples from its own stream: `seeds[i]` when given, else one derived
-        from (sampling.seed, i), so a prompt's output never depends on the other prompts. `batch` > 1 decodes up
-        to that many prompts at once through the in-flight batcher (runtime/batch.py), with the same outputs."""
-        if batch > 1:
-            return self._generate_batched(prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch)
-        results = []
+        from (sampling.seed, i), so a prompt's output never depends on the other prompts. Up to `batch` prompts
+        decode at once through the in-flight batcher (runtime/batch.py), with the same outputs; batch 1 decodes
+        them in turn on the engine's own backend."""
+        # slots as long as the longest request needs, not the model's whole context (each slot holds that much KV)
+        gen = self.batcher(batch, context=max(len(p) for p in prompts) + max_new_tokens if prompts else None)
+        reqs = []
         for i, ids in enumerate(prompts):
-            gen = self.generator(prompt_sampling(sampling, i, seeds[i] if seeds is not None else None))
+            cfg = prompt_sampling(sampling, i, seeds[i] if seeds is not None else None)
             emit = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens else None
             try:
-                results.append(gen.generate(ids, max_new_tokens, emit, stop))
+                reqs.append(gen.submit(ids, max_new_tokens, cfg, emit, stop))
             except ValueError as e:             # a prompt that does not fit this model: one line for the user
                 raise ModelError(f"prompt {i}: {e}") from None
-        return results
-
+        gen.run()
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return [r.result for r in reqs]
 
     def batch_schedule(self):
         """The batch schedule this engine runs: the manifest's measured `batch_schedule` (engines/tune.py), else
@@ -114,7 +117,7 @@ class Engine:
 
     def kv_bytes_per_token(self) -> int:
         """KV memory one token of context takes in a batch slot (target + draft)."""
-        return batch_backend(BoundedContext(self.backend, 1), 1).slot_bytes
+        return self.backend.with_slots(1, context=1).slot_bytes
 
     def batch_exact(self, context: int | None = None, schedule=None) -> bool:
         """Whether requests of up to `context` tokens (default: the model's) batched on `schedule` decode exactly as
@@ -142,40 +145,9 @@ class Engine:
             max_batch = 1
         if max_batch == 1:
             return BatchedGenerator(self.backend, schedule)
-        backend = self.backend
-        if context is not None and context < backend.spec.max_context:
-            backend = BoundedContext(backend, context)
-        return BatchedGenerator(batch_backend(backend, max_batch, schedule.max_nodes), schedule)
-
-    def _generate_batched(self, prompts, sampling, max_new_tokens, seeds, stop, on_tokens, batch):
-        # slots as long as the longest request needs, not the model's whole context (each slot holds that much KV)
-        gen = self.batcher(batch, context=max(len(p) for p in prompts) + max_new_tokens if prompts else None)
-        reqs = []
-        for i, ids in enumerate(prompts):
-            cfg = prompt_sampling(sampling, i, seeds[i] if seeds is not None else None)
-            emit = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens else None
-            try:
-                reqs.append(gen.submit(ids, max_new_tokens, cfg, emit, stop))
-            except ValueError as e:
-                raise ModelError(f"prompt {i}: {e}") from None
-        gen.run()
-        for r in reqs:
-            if r.error is not None:
-                raise r.error
-        return [r.result for r in reqs]
-
-
-class BoundedContext:
-    """A backend seen with a shorter context: the batch slots it sizes (and the requests they accept) stop there."""
-
-    def __init__(self, backend, context: int):
-        if context < 1:
+        if context is not None and context < 1:
             raise ModelError(f"the context must be at least 1 token, got {context}")
-        self._backend = self.source = backend
-        self.spec = replace(backend.spec, max_context=context)
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
+        return BatchedGenerator(self.backend.with_slots(max_batch, schedule.max_nodes, context), schedule)
 
 
 def layout(path: str | Path) -> str:

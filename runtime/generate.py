@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from eaglex.base.errors import ModelError
-
 from .backend import Backend
 from .batch import BatchedGenerator, Schedule
 from .request import GenerationResult
@@ -46,7 +44,4 @@ class SpeculativeGenerator(_OneRequest):
         super().__init__(backend, sampling)
         if backend.draft_kind is None:
             raise ValueError("speculative decoding needs a draft head")
-        if getattr(backend, "exact_trees", None) == "chain" and tree.kind != "chain":
-            raise ModelError(f"this engine's output stays identical to vanilla decoding with chain trees only "
-                             f"(int8 activations), not {tree}: use --tree chain:N")
         self.tree = tree

@@ -1,14 +1,14 @@
 """ONNX Runtime backend: runs an engine folder written by `eaglex build` behind the Backend protocol.
 
-Same contract as TorchBackend (runtime/backend.py): forwards append pending rows, the loop commits or rolls back,
-masks cover the uncommitted rows. Inputs are wrapped as OrtValues without copies, logits and features are
-ORT-allocated through IOBinding, and the graphs write their new KV rows in place into the cache's preallocated
-buffers (runtime/ort_cache.py). EAGLE-3's first draft step runs draft_fc and binds its output straight into the
-draft graph.
+Same contract as TorchBackend (runtime/backend.py): forwards over a slice of slots append pending rows, the loop
+commits or rolls back, masks cover the uncommitted rows. The engine's own graphs run every batch (batch is their
+leading axis, masks are per row); logits and features are ORT-allocated through IOBinding, and the graphs write
+their new KV rows in place into the cache's per-slot rows (runtime/ort_cache.py). Rows are bit-identical whatever
+else is in the batch: MLAS GEMMs are row-invariant and the attention is row-independent, masked padding columns
+included (export/row_attention.py).
 
-On a GPU provider (`providers`, see ort_session.choose_providers) the KV buffers and draft_fc's output live in
-device memory and stay there; logits, features and the draft's top-k come back to the host, where the loop reads
-them (the tensors this backend returns are always on the CPU: `device`).
+On a GPU provider (`providers`, see ort_session.choose_providers) the graphs run on the device and the KV rows stay
+in host memory, crossing the bus on every call; the tensors this backend returns are always on the CPU (`device`).
 
 An engine may carry `exactness` rules in its manifest (quantized engines: engines/quantize.py). Int8/int4 engines
 compute every row independently of the call up to `row_independent_keys` keys per call (`exact_keys`); the cache
@@ -27,24 +27,14 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 from eaglex.base.errors import ModelError
 
-from .backend import CachedBackend
+from .backend import SlotBackend
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
-from .ort_batch import OrtBatchBackend
-from .ort_cache import NP_DTYPES, OrtKVCache, kv_names
+from .ort_cache import NP_DTYPES, SlotRows, kv_names
 from .ort_session import open_session, outputs, provider_device, u8s8_saturates
-
-
-def _ov(a: np.ndarray) -> ort.OrtValue:
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
-
-
-def _torch(v) -> torch.Tensor:
-    return torch.from_numpy(v.numpy())              # zero copy; the array keeps the OrtValue alive
 
 
 def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
@@ -62,14 +52,14 @@ def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
     return ids, pos, mask
 
 
-class OrtBackend(CachedBackend):
+class OrtBackend(SlotBackend):
     device = torch.device("cpu")            # where the tensors it returns live
-    batched = OrtBatchBackend               # the same sessions with many slots (batch_backend.batch_backend)
 
     def __init__(self, engine_dir: str | Path, draft_kind: str | None = None, hash_limit: int = HASH_LIMIT,
                  providers: list | None = None):
         """`draft_kind`, if given, must match the engine's head; `providers`: ONNX Runtime execution providers
-        (default: the CPU). The sessions run on the process-wide pool an entry point sized (runtime/threads.py)."""
+        (default: the CPU). The sessions run on the process-wide pool an entry point sized (runtime/threads.py).
+        One slot; with_slots() gives more over the same sessions."""
         self.engine_dir = self.tokenizer_dir = Path(engine_dir)
         m = read_manifest(self.engine_dir)
         if m.get("backend") != "onnxruntime":
@@ -98,19 +88,21 @@ class OrtBackend(CachedBackend):
         self.draft_sess = open_.get("draft")
         self.fc_sess = open_.get("draft_fc")
         self._check_graphs()
-        s = self.spec
         self.features = m["target"]["features"] != "none"
         rules = m.get("exactness") or {}
         self.min_rows = int(rules.get("min_rows", 1))
         self.exact_trees = rules.get("trees")            # None: any tree; "chain": chains only
         self.batch_exact = bool(rules.get("batching", True))
         self.exact_keys = rules.get("row_independent_keys")  # None: no bound (float engines, FP8's rules)
-        self.tcache = OrtKVCache(kv_names(s.num_layers), s.num_kv_heads, s.head_dim, self.dtype, self.providers)
-        self.dcache = None
-        if draft:
-            d = draft["spec"]
-            self.dcache = OrtKVCache(kv_names(1), d["num_kv_heads"], d["head_dim"], self.dtype, self.providers)
         self._target_out = [o.name for o in self.target_sess.get_outputs() if not o.name.startswith("present_")]
+        self._allocate(1, 0)
+
+    def _caches(self, slots: int, capacity: int) -> tuple:
+        s, draft = self.spec, self.manifest["draft"]
+        tcache = SlotRows(kv_names(s.num_layers), slots, s.num_kv_heads, s.head_dim, capacity, self.dtype)
+        d = draft["spec"] if draft else None
+        dcache = SlotRows(kv_names(1), slots, d["num_kv_heads"], d["head_dim"], capacity, self.dtype) if d else None
+        return tcache, dcache
 
     def _check_graphs(self) -> None:
         """The graphs' fixed dims against the manifest, so a mismatched draft fails here, not mid-generation."""
@@ -144,62 +136,62 @@ class OrtBackend(CachedBackend):
 
     # ------------------------------------------------------------------------------------------ Backend protocol
 
-    def _common(self, io, cache: OrtKVCache, input_ids, position_ids, mask, rows, keep: list):
-        """Binds ids, positions, the full mask and logits rows; `keep` holds the numpy buffers alive."""
+    def _run(self, sess, io, cache: SlotRows, rows: slice, input_ids, position_ids, mask, last_only, n_out: int,
+             n: int | None = None):
+        """Bind ids, positions, the mask, the logits rows (the last of the first `n` rows, or all of them; default
+        every row) and the KV rows of slots `rows`, run, place the new rows -> the first `n_out` outputs (bound
+        before the call) as arrays."""
         B, N = input_ids.shape
-        attn = cache.attention_mask(mask, B, N)                                    # [B,1,N,T] bool
-        rows = np.asarray(rows, dtype=np.int64)
-        feeds = {"input_ids": input_ids.numpy().astype(np.int64, copy=False),
-                 "position_ids": position_ids.numpy().astype(np.int64, copy=False),
-                 "attn_mask": attn, "logits_rows": rows}
+        own = cache.own(rows)
+        P = max(own)
+        if P + N > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: {P + N} rows > capacity {cache.capacity}")
+        if cache.fit(rows):
+            view = cache.kv
+        else:
+            view = cache._empty(P + N, B)
+            view[:, :P] = cache.kv[:, :P, rows]
+        feeds = {"input_ids": input_ids.numpy().astype(np.int64), "position_ids": position_ids.numpy().astype(np.int64),
+                 "attn_mask": cache.mask(rows, own, P, N, mask),
+                 "logits_rows": np.array([(n or N) - 1] if last_only else range(n or N), dtype=np.int64)}
         for name, a in feeds.items():
-            v = _ov(a)
-            keep.append(v)
-            io.bind_ortvalue_input(name, v)
-        return N
+            io.bind_cpu_input(name, a)
+        cache.bind(io, view, P + N)
+        sess.run_with_iobinding(io)
+        values = outputs(io)
+        out = [values[i].numpy() for i in range(n_out)]
+        cache.place(rows, view, own, P, N)
+        return out
 
-    def target_forward(self, rows, input_ids, position_ids, mask=None, last_only=False):
-        self.check_rows(rows)
+    def target_forward(self, rows: slice, input_ids, position_ids, mask=None, last_only=False):
         n = input_ids.shape[1]                   # the caller's rows; padding rows (min_rows) follow them
         if n < self.min_rows:
-            input_ids, position_ids, mask = _pad_rows(input_ids, position_ids, mask, self.tcache.pending,
+            input_ids, position_ids, mask = _pad_rows(input_ids, position_ids, mask, self.tcache.pending[rows.start],
                                                       self.min_rows - n)
-        io, keep = self.target_sess.io_binding(), []
-        N = self._common(io, self.tcache, input_ids, position_ids, mask, [n - 1] if last_only else range(n), keep)
-        for name in self._target_out:                 # logits (+ features): bound first, so they come out first
+        io = self.target_sess.io_binding()
+        for name in self._target_out:            # logits (+ features), bound first so they come out first
             io.bind_output(name)
-        self.tcache.bind(io, N)
-        self.target_sess.run_with_iobinding(io)
-        self.tcache.appended(N)
-        out = outputs(io)
-        logits = _torch(out[0])
-        feats = _torch(out[1])[:, :n] if self.features else torch.empty(input_ids.shape[0], n, 0)
-        return logits, feats
+        out = self._run(self.target_sess, io, self.tcache, rows, input_ids, position_ids, mask, last_only,
+                        len(self._target_out), n)
+        feats = out[1][:, :n] if self.features else np.zeros((input_ids.shape[0], n, 0), np.float32)
+        return torch.from_numpy(out[0]), torch.from_numpy(feats)
 
-    def draft_forward(self, rows, hidden, input_ids, position_ids, mask, project, top_k, last_only=False):
-        self.check_rows(rows)
+    def draft_forward(self, rows: slice, hidden, input_ids, position_ids, mask, project: bool, top_k: int,
+                      last_only: bool = False):
         if self.draft_sess is None:
             raise RuntimeError("this engine has no draft head")
         if not 1 <= top_k <= self.manifest["draft"]["draft_vocab_size"]:
             raise ValueError(f"top_k must be in [1, {self.manifest['draft']['draft_vocab_size']}], got {top_k}")
-        h_in = _ov(hidden.detach().numpy().astype(self.np_dtype, copy=False))
+        h = hidden.detach().numpy().astype(self.np_dtype, copy=False)
         if project and self.fc_sess is not None:                   # EAGLE-3 first step: fc(3H features) -> H
-            fio = self.fc_sess.io_binding()
-            fio.bind_ortvalue_input("features", h_in)
-            fio.bind_output("hidden", *self.kv_device)
-            self.fc_sess.run_with_iobinding(fio)
-            h_in = fio.get_outputs()[0]
-        io, keep = self.draft_sess.io_binding(), [h_in]
-        N = input_ids.shape[1]
-        self._common(io, self.dcache, input_ids, position_ids, mask, [N - 1] if last_only else range(N), keep)
-        io.bind_ortvalue_input("hidden", h_in)
-        k = _ov(np.array(top_k, dtype=np.int64))
-        keep.append(k)
-        io.bind_ortvalue_input("top_k", k)
+            h = self.fc_sess.run(["hidden"], {"features": np.ascontiguousarray(h)})[0]
+        io = self.draft_sess.io_binding()
         for name in ("hidden_out", "top_logp", "top_ids"):
             io.bind_output(name)
-        self.dcache.bind(io, N)
-        self.draft_sess.run_with_iobinding(io)
-        self.dcache.appended(N)
-        out = outputs(io)
-        return _torch(out[0]), _torch(out[1]), _torch(out[2])
+        h = np.ascontiguousarray(h)
+        io.bind_cpu_input("hidden", h)
+        top = np.array(top_k, dtype=np.int64)
+        io.bind_cpu_input("top_k", top)
+        h_out, logp, ids = self._run(self.draft_sess, io, self.dcache, rows, input_ids, position_ids, mask,
+                                     last_only, 3)
+        return torch.from_numpy(h_out), torch.from_numpy(logp), torch.from_numpy(ids)

@@ -1,33 +1,30 @@
-"""KV cache for ONNX Runtime engines: one preallocated rows-first buffer per KV tensor, written in place by the graphs.
+"""KV cache of ONNX Runtime engines: per-slot rows that the graphs read and write in place, one slot per request.
 
-An engine graph takes each KV tensor as a buffer [P+N, B, Hkv, D] whose last N rows are slots for the call's new
-rows, and returns it with them written (export/row_attention.py). This cache keeps one buffer per tensor with room
-for `capacity` rows and binds its first P+N rows as both that input and that output (rows-first, they are one
-contiguous block): the graph writes its new rows in place, and a forward copies nothing else, however long the
-context (with concatenation growth every layer's whole past was copied on every step).
+The graphs take each KV tensor as a rows-first buffer [P+N, B, Hkv, D] (export/row_attention.py): row b attends
+over its own valid rows of the first P and the N new rows the graph writes at P..P+N-1. `SlotRows` keeps every KV
+tensor as one such buffer [capacity, W, Hkv, D] whose width W is the number of slots in use, so a forward over all
+of them binds the first P+N rows of each buffer as the graph's input and output: nothing is copied in, and only
+the rows whose own end lies before P have their N new rows moved down to where a request decoded alone keeps them
+(a few rows per request; none for a lone request). A forward over some of the slots (a prefill, a catch-up of one
+request) gathers just those slots' rows. The width follows the batch: a slot past it widens the buffers, a forward
+over fewer slots with the rest empty narrows them (one copy of the committed rows each time, not one per forward).
 
-Rows: the committed rows 0..length-1 in context order (a row's index is its position, as in vanilla decoding),
-then the `pending` rows forwards appended since the last commit or rollback.
-- rollback() forgets the pending rows (the next forward overwrites them);
-- commit(keep) of all pending rows in order (a prefill, a vanilla step, a draft extend) moves nothing;
-- any other commit (the accepted path of a tree) moves the kept rows down into place with a tiny ORT graph
-  (Gather them, ScatterND them at `length`, bound in place): a few rows per tensor.
-Buffers live on the engine's first provider's device. On the CPU they are numpy allocations, whose pages the
-system commits only as rows get written, so a large capacity costs address space, not memory; a reset reallocates
-them only when it asks for more capacity than they have.
+Rows of a slot: the committed rows 0..length-1 in context order (a row's index is its position, as in vanilla
+decoding), then the `pending` rows forwards appended since the last commit or rollback. rollback() forgets the
+pending rows (the next forward overwrites them); commit(keep) of all pending rows in order (a prefill, a vanilla
+step, a draft extend) moves nothing, any other (a tree's accepted path) moves the kept rows down into place.
+The buffers are numpy allocations in host memory, whose pages the system commits only as rows get written, so a
+large capacity costs address space, not memory.
 """
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto
 from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
-from eaglex.models.target import causal_mask
-
-from .ort_session import provider_device, session_options
+from .backend import SlotCounts
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
@@ -38,100 +35,113 @@ def kv_names(layers: int) -> list[str]:
     return [f"{kv}_{i}" for i in range(layers) for kv in ("key", "value")]
 
 
-def move_session(names: list[str], dtype: str, providers: list | None = None) -> ort.InferenceSession:
-    """out_<name> = ScatterND(kv_<name>, dst [K,1], Gather(kv_<name>, src [K], axis 0)) for buffers [R,B,Hkv,D]:
-    rows src copied to rows dst (Gather copies first, so the two may overlap); in place when out_<name> is bound to
-    kv_<name>'s memory."""
-    t = ONNX_DTYPES[dtype]
-    shape = ["rows", "batch", "heads", "dim"]
-    inputs = [helper.make_tensor_value_info(f"kv_{n}", t, shape) for n in names]
-    inputs += [helper.make_tensor_value_info("src", TensorProto.INT64, ["keep"]),
-               helper.make_tensor_value_info("dst", TensorProto.INT64, ["keep", 1])]
-    outputs = [helper.make_tensor_value_info(f"out_{n}", t, shape) for n in names]
-    nodes = []
-    for n in names:
-        nodes.append(helper.make_node("Gather", [f"kv_{n}", "src"], [f"rows_{n}"], axis=0))
-        nodes.append(helper.make_node("ScatterND", [f"kv_{n}", "dst", f"rows_{n}"], [f"out_{n}"]))
-    graph = helper.make_graph(nodes, "kv_move", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
-    model.ir_version = 10
-    onnx.checker.check_model(model)
-    return ort.InferenceSession(model.SerializeToString(), session_options(),
-                                providers=providers or ["CPUExecutionProvider"])
+class SlotRows(SlotCounts):
+    """KV rows of `slots` requests for the KV tensors `names` (past_<name> / present_<name> in the graphs): one
+    zero-initialised array [tensors, capacity, width, Hkv, D] (zeros: a masked key or value must be finite, since
+    the attention multiplies it by an exact zero), with SlotCounts' per-slot rows (a row's index is its position)."""
 
-
-class OrtKVCache:
-    def __init__(self, names: list[str], num_kv_heads: int, head_dim: int, dtype: str, providers: list | None = None):
-        """`names`: the KV tensors, as the graph's inputs past_<name> and outputs present_<name> call them (e.g.
-        key_0, value_0, ...); `providers`: the engine's (runtime/ort_session.choose_providers)."""
-        self.names, self.heads, self.dim, self.dtype = list(names), num_kv_heads, head_dim, dtype
-        self.device = provider_device(providers)
+    def __init__(self, names: list[str], slots: int, heads: int, dim: int, capacity: int, dtype: str):
+        self.names, self.heads, self.dim, self.dtype = list(names), heads, dim, dtype
+        self.layers = len(names) // 2
         self.element = NP_DTYPES[dtype]
-        # Binds go through the C++ binding under ORT's Python IOBinding, with a device object made once: the
-        # wrapper makes an OrtDevice and books the name on every call (~2.3 us a bind against ~0.8, measured), and a
-        # forward binds every KV tensor twice (~0.2 ms of a one-token step of a 30-layer target).
-        self._c_device = OrtDevice.make(*self.device)._get_c_device()
-        self.mover = move_session(self.names, dtype, providers)
-        self.buffers: list = []
-        self.pointers: list[int] = []
-        self.capacity = 0
-        self.reset(0)
+        self._kind = ONNX_DTYPES[dtype]
+        self._c_device = OrtDevice.make("cpu", 0)._get_c_device()
+        self._io = [("past_" + n, "present_" + n) for n in self.names]
+        self.capacity, self.width = capacity, 0
+        self.kv = self._empty(capacity, 0)
+        super().__init__(slots)
 
-    def reset(self, capacity: int) -> None:
-        if capacity > self.capacity:        # grow only: the buffers are reused by every later generation
-            shape = (capacity, 1, self.heads, self.dim)       # batch 1
-            if self.device[0] == "cpu":
-                self.buffers = [np.empty(shape, self.element) for _ in self.names]
-                self.pointers = [b.ctypes.data for b in self.buffers]
-            else:
-                self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.element, *self.device)
-                                for _ in self.names]
-                self.pointers = [b.data_ptr() for b in self.buffers]
-            self.capacity = capacity
-        self.length = self.pending = 0      # committed rows; rows appended since the last commit / rollback
+    def _empty(self, capacity: int, width: int) -> np.ndarray:
+        return np.zeros((len(self.names), capacity, width, self.heads, self.dim), self.element)
 
-    def _bind(self, io: ort.IOBinding, rows: int, inputs: str, outputs: str) -> None:
-        """Bind each buffer's first `rows` rows as input `inputs`+name and output `outputs`+name."""
-        shape, kind, c = [rows, 1, self.heads, self.dim], ONNX_DTYPES[self.dtype], io._iobinding
-        for name, ptr in zip(self.names, self.pointers):
-            c.bind_input(inputs + name, self._c_device, kind, shape, ptr)
-            c.bind_output(outputs + name, self._c_device, kind, shape, ptr)
+    @property
+    def slot_bytes(self) -> int:
+        """KV memory of one slot (every tensor, full capacity)."""
+        return len(self.names) * self.capacity * self.heads * self.dim * self.element().itemsize
 
-    def bind(self, io: ort.IOBinding, n: int) -> None:
-        """Bind the buffers for a forward that appends n rows after the pending ones (KV overflow: RuntimeError)."""
-        end = self.length + self.pending + n
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
-        self._bind(io, end, "past_", "present_")
+    def own(self, rows: slice) -> list[int]:
+        """Each slot's committed + pending rows."""
+        return [self.length[s] + self.pending[s] for s in range(rows.start, rows.stop)]
 
-    def attention_mask(self, mask, batch: int, n: int) -> np.ndarray:
-        """[B,1,N,length+pending+N] bool for a forward of n rows: every committed row, then `mask` over the
-        uncommitted rows ([B,N,pending+N] bool tensor/array, None = causal over the new rows, pending all seen)."""
-        rows, p = self.length, self.pending
-        out = np.empty((batch, 1, n, rows + p + n), dtype=bool)
-        out[:, 0, :, :rows] = True
+    def _relayout(self, capacity: int, width: int) -> None:
+        """New buffers, every committed and pending row kept (slots past the new width must be empty)."""
+        kv, used = self._empty(capacity, width), max(self.own(slice(0, len(self.length))), default=0)
+        w = min(width, self.width)
+        kv[:, :used, :w] = self.kv[:, :used, :w]
+        self.kv, self.capacity, self.width = kv, capacity, width
+
+    def fit(self, rows: slice) -> bool:
+        """Make the buffers as wide as the slots in use, `rows` included; -> whether `rows` are all of them (the
+        forward then runs in place)."""
+        if rows.stop > self.width:
+            self._relayout(self.capacity, rows.stop)
+        elif rows.start == 0 and rows.stop < self.width and not any(self.own(slice(rows.stop, self.width))):
+            self._relayout(self.capacity, rows.stop)
+        return rows.start == 0 and rows.stop == self.width
+
+    def bind(self, io: ort.IOBinding, view: np.ndarray, rows: int) -> None:
+        """Bind the first `rows` rows of each tensor of `view` [tensors, R, B, Hkv, D] as past_ and present_."""
+        # Through the C++ binding under ORT's Python IOBinding, with a device object made once: the wrapper makes
+        # an OrtDevice and books the name on every call, and a forward binds every KV tensor twice. The names are
+        # joined once (self._io) and the base address read once: `ndarray.ctypes` builds an object per access.
+        c, shape, kind, dev = io._iobinding, [rows, *view.shape[2:]], self._kind, self._c_device
+        base, step = view.__array_interface__["data"][0], view.strides[0]
+        for i, (past, present) in enumerate(self._io):
+            ptr = base + i * step
+            c.bind_input(past, dev, kind, shape, ptr)
+            c.bind_output(present, dev, kind, shape, ptr)
+
+    def place(self, rows: slice, view: np.ndarray, own: list[int], P: int, N: int) -> None:
+        """After a forward that wrote its N new rows at P..P+N-1 of `view` (the buffers themselves, or the slots
+        `rows` gathered): each slot's new rows go right after its own rows, where a request alone keeps them."""
+        inplace = view is self.kv
+        for j, o in enumerate(own):
+            s = rows.start + j
+            if not inplace or o != P:
+                new = view[:, P:P + N, j]
+                self.kv[:, o:o + N, s] = new.copy() if inplace else new     # in place, the two may overlap
+            self.pending[s] += N
+
+    def mask(self, rows: slice, own: list[int], P: int, N: int, mask) -> np.ndarray:
+        """[B,1,N,P+N] bool for a forward of N rows over slots `rows` whose own rows end at `own` (P = the longest):
+        each row sees its committed rows, then `mask` ([B,N,pending+N], the same pending count in every row; None =
+        every pending row, then causal) over its pending rows and the N new ones at P..P+N-1."""
+        B = rows.stop - rows.start
+        attn = np.zeros((B, 1, N, P + N), dtype=bool)
+        cols = np.arange(P)
         if mask is None:
-            out[:, 0, :, rows:rows + p] = True
-            out[:, 0, :, rows + p:] = causal_mask(n)[0, 0].numpy()
-        else:
-            out[:, 0, :, rows:] = mask.numpy() if hasattr(mask, "numpy") else mask
-        return out
+            attn[:, 0, :, :P] = (cols < np.array(own)[:, None])[:, None, :]
+            attn[:, 0, :, P:] = np.tril(np.ones((N, N), dtype=bool))
+            return attn
+        m = mask.numpy() if hasattr(mask, "numpy") else np.asarray(mask)
+        pend = m.shape[-1] - N
+        length = self.length[rows]
+        attn[:, 0, :, :P] = (cols < np.array(length)[:, None])[:, None, :]
+        for b, L in enumerate(length):
+            attn[b, 0, :, L:L + pend] = m[b, :, :pend]
+        attn[:, 0, :, P:] = m[:, :, pend:]
+        return attn
 
-    def appended(self, n: int) -> None:
-        self.pending += n
-
-    def commit(self, keep: torch.Tensor) -> None:
-        """keep [K] int64: indices into the pending rows, in order; they become committed rows."""
+    def commit(self, slot: int, keep: torch.Tensor) -> None:
+        """keep [K] int64: the slot's pending rows (in order) that become committed rows."""
         keep_np = keep.numpy() if isinstance(keep, torch.Tensor) else np.asarray(keep)
-        n = int(keep_np.shape[0])
-        if n and not (keep_np == np.arange(n)).all():         # else already in place
-            io = self.mover.io_binding()
-            self._bind(io, self.length + self.pending, "kv_", "out_")
-            io.bind_cpu_input("src", (keep_np + self.length).astype(np.int64))
-            io.bind_cpu_input("dst", np.arange(self.length, self.length + n, dtype=np.int64)[:, None])
-            self.mover.run_with_iobinding(io)
-        self.length += n
-        self.pending = 0
+        n, length = int(keep_np.shape[0]), self.length[slot]
+        if n and not (keep_np == np.arange(n)).all():       # else already in place
+            self.kv[:, length:length + n, slot] = self.kv[:, keep_np + length, slot]   # fancy indexing copies first
+        self.length[slot] += n
+        self.pending[slot] = 0
 
-    def rollback(self) -> None:
-        self.pending = 0
+    def grow(self, capacity: int) -> bool:
+        """Room for `capacity` rows per slot, keeping every slot's rows; True when the buffers were reallocated."""
+        if capacity <= self.capacity:
+            return False
+        self._relayout(capacity, self.width)
+        return True
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        self.kv[:, :n, dst] = self.kv[:, :n, src]
+
+    def rows(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's first n keys and values, [layers, Hkv, n, D] each (for tests and checks)."""
+        kv = torch.from_numpy(self.kv[:, :n, slot].copy()).permute(0, 2, 1, 3)
+        return kv[0::2], kv[1::2]

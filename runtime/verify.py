@@ -29,30 +29,24 @@ def _check(tree: DraftTree, logits: torch.Tensor) -> None:
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """tree with N nodes, logits [N, V] -> Verdict (longest argmax-consistent path + the argmax after it)."""
     _check(tree, logits)
-    top = argmax(logits)                                         # [N] target's choice after each node
-    if tree.tokens.device.type == "cpu":                         # the drafters' trees: decided on the host, after
-        return _verify_greedy_host(tree, host(top)[0].numpy())  # one read of the N argmax ids from the device
+    return _greedy([tree], argmax(logits)[None])[0]
+
+
+def _greedy(trees: list[DraftTree], top: torch.Tensor) -> list[Verdict]:
+    """Greedy verdicts of `trees` from the target's argmax after each of their nodes (top [G,N], any device): one
+    read of everything to the host, then each tree walked in numpy (a few tens of elements: ~10 torch dispatches
+    of a few us each would cost more than the walk)."""
+    arrays = [a.numpy() for a in host(top, *(t for tree in trees for t in (tree.parents, tree.tokens, tree.paths)))]
+    return [_walk(*arrays[1 + 3 * j:4 + 3 * j], arrays[0][j]) for j in range(len(trees))]
+
+
+def _walk(parents: np.ndarray, tokens: np.ndarray, paths: np.ndarray, top: np.ndarray) -> Verdict:
     # A node is correct when its token is what the target would emit after its parent; the root is given.
-    parent_top = top[tree.parents.clamp(min=0)]
-    correct = (tree.tokens == parent_top) | (tree.parents < 0)   # [N]
-    paths = tree.paths                                           # [L, D] root -> leaf, -1 padded
-    match = correct[paths.clamp(min=0)] & (paths >= 0)           # [L, D]
-    # Like evaluate_posterior: accepted length per path = run of matches after the root; first best path wins.
-    acc = torch.cumprod(match[:, 1:].long(), dim=1).sum(dim=1)   # [L]
-    best = int(torch.argmax(acc))
-    a = int(acc[best])
-    nodes = paths[best, : a + 1]
-    return Verdict(nodes=nodes, next_token=int(top[nodes[-1]]))
-
-
-def _verify_greedy_host(tree: DraftTree, top: np.ndarray) -> Verdict:
-    """verify_greedy on the host in numpy: the same steps, without ~10 torch dispatches of a few us each on
-    tensors of tens of elements (this runs once per cycle)."""
-    parents, tokens, paths = tree.parents.numpy(), tree.tokens.numpy(), tree.paths.numpy()
     correct = (tokens == top[np.maximum(parents, 0)]) | (parents < 0)
-    match = correct[np.maximum(paths, 0)] & (paths >= 0)
+    match = correct[np.maximum(paths, 0)] & (paths >= 0)                   # [L, D] root -> leaf, -1 padded
+    # Like evaluate_posterior: accepted length per path = run of matches after the root; first best path wins.
     acc = np.cumprod(match[:, 1:], axis=1).sum(axis=1)
-    best = int(np.argmax(acc))                                   # first best path wins, as torch.argmax
+    best = int(np.argmax(acc))
     nodes = paths[best, : int(acc[best]) + 1].copy()
     return Verdict(nodes=torch.from_numpy(nodes), next_token=int(top[nodes[-1]]))
 
@@ -89,14 +83,11 @@ def verify_rows(trees: list[DraftTree], logits: torch.Tensor, samplings: list[Sa
     out: list[Verdict | None] = [None] * len(trees)
     greedy = [b for b, s in enumerate(samplings) if s.greedy]
     if greedy:
-        top, = host(argmax(logits if len(greedy) == len(trees) else logits[greedy]))       # [G,N]
-        top = top.numpy()
-        for j, b in enumerate(greedy):
+        for b in greedy:
             _check(trees[b], logits[b])
-            if trees[b].tokens.device.type == "cpu":
-                out[b] = _verify_greedy_host(trees[b], top[j])
-            else:
-                out[b] = verify_greedy(trees[b], logits[b])
+        top = argmax(logits if len(greedy) == len(trees) else logits[greedy])              # [G,N]
+        for b, verdict in zip(greedy, _greedy([trees[b] for b in greedy], top)):
+            out[b] = verdict
     for b, s in enumerate(samplings):
         if not s.greedy:
             out[b] = verify_sampling(trees[b], logits[b], s, positions[b])

@@ -32,13 +32,13 @@ def prompts():
 
 @pytest.fixture()
 def trees_run(monkeypatch):
-    """Every tree a SpeculativeGenerator is built with during the test."""
-    import eaglex.runtime.generate as generate_mod
+    """Every tree the generator core drafts a step with during the test."""
+    from eaglex.runtime.batch import BatchedGenerator
     seen = []
-    real = generate_mod.SpeculativeGenerator.__init__
+    real = BatchedGenerator._speculate
 
-    def spy(self, backend, tree, *args, **kwargs):
-        seen.append(tree)
-        real(self, backend, tree, *args, **kwargs)
-    monkeypatch.setattr(generate_mod.SpeculativeGenerator, "__init__", spy)
+    def spy(self, rows, cfg, limit):
+        seen.append(cfg)
+        return real(self, rows, cfg, limit)
+    monkeypatch.setattr(BatchedGenerator, "_speculate", spy)
     return seen

@@ -1,7 +1,7 @@
 """In-flight batching (runtime/batch.py): every request decodes exactly what it decodes alone, whatever else is in
 the batch, with requests joining and leaving between steps, cancellations and failing callbacks mixed in.
 
-Also the measurement behind batch_backend.py's note on numerics: whether a row's logits inside a batched forward
+Also the measurement behind torch_backend.py's note on numerics: whether a row's logits inside a batched forward
 are bit-identical to the row alone (they are not on PyTorch CPU; on ONNX Runtime only for an unpadded row), and
 how far apart they are.
 """
@@ -12,14 +12,12 @@ import random
 import pytest
 import torch
 
-from eaglex.models.target import causal_mask
+from eaglex.runtime import autotune as tune_mod
 from eaglex.runtime import batch as batch_mod
-from eaglex.runtime.batch import SCHEDULE_MARGIN, BatchedGenerator, Schedule, schedule_from
-from eaglex.runtime.batch_backend import TorchBatchBackend, batch_backend
+from eaglex.runtime.autotune import SCHEDULE_MARGIN, schedule_from
+from eaglex.runtime.batch import BatchedGenerator, Schedule
 from eaglex.runtime.cost import CostCurve
-from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
-from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import SamplingConfig, TreeConfig
 from eaglex.runtime.verify import verify_rows
@@ -64,7 +62,7 @@ def test_batched_greedy_equals_alone_vanilla(name, schedule, backends, alone, pr
     rng = random.Random(f"{name}{schedule}")
     max_new = [rng.choice([1, 7, MAX_NEW]) for _ in prompts]
     s = Schedule.parse(schedule)
-    gen = BatchedGenerator(TorchBatchBackend(backends[name], slots=5, extra_rows=s.max_nodes), s)
+    gen = BatchedGenerator(backends[name].with_slots(5, s.max_nodes), s)
     ran, step = set(), gen.step
 
     def step_and_record():
@@ -91,11 +89,11 @@ def test_static_slots_decode_exactly(schedule, models, alone, prompts):
     s = Schedule.parse(schedule)
     rng = random.Random(schedule)
     max_new = [rng.choice([1, 7, MAX_NEW]) for _ in prompts]
-    reqs = _staggered(BatchedGenerator(batch_backend(b, 5, s.max_nodes), s), prompts, max_new, rng)
+    reqs = _staggered(BatchedGenerator(b.with_slots(5, s.max_nodes), s), prompts, max_new, rng)
     for r, want, n in zip(reqs, alone["llama/eagle3"], max_new):
         assert r.error is None and r.result.output_ids == want[:n], r.index
     tree = s.tree(1)
-    gen = BatchedGenerator(batch_backend(b, 4, tree.max_nodes), Schedule.fixed(tree))
+    gen = BatchedGenerator(b.with_slots(4, tree.max_nodes), Schedule.fixed(tree))
     for p in prompts[:6]:
         w = SpeculativeGenerator(b, tree).generate(p, MAX_NEW)
         r = gen.submit(p, MAX_NEW)
@@ -106,7 +104,7 @@ def test_static_slots_decode_exactly(schedule, models, alone, prompts):
 
 def test_cancelled_and_failing_requests_leave_the_others_exact(backends, alone, prompts):
     name = "llama/eagle3"
-    gen = BatchedGenerator(TorchBatchBackend(backends[name], slots=6, extra_rows=4), Schedule.parse("1:chain:3"))
+    gen = BatchedGenerator(backends[name].with_slots(6, 4), Schedule.parse("1:chain:3"))
     seen = {"n": 0}
 
     def boom(tokens):
@@ -150,7 +148,7 @@ def test_sampling_is_reproducible_from_the_seed_whatever_the_batch(schedule, bac
         assert SpeculativeGenerator(b, tree, cfg).generate(prompts[5], MAX_NEW).output_ids == solo.output_ids
     outs = []
     for others in (0, 3, 9):
-        gen = BatchedGenerator(TorchBatchBackend(b, slots=8, extra_rows=8), Schedule.parse(schedule))
+        gen = BatchedGenerator(b.with_slots(8, 8), Schedule.parse(schedule))
         rng = random.Random(others)
         for j in range(others):
             gen.submit(prompts[j + 6], MAX_NEW, SamplingConfig(temperature=rng.choice([0.0, 0.7, 1.3]), seed=j))
@@ -235,15 +233,15 @@ def test_tuning_measures_wide_trees_only_while_they_win(speeds, exact_trees, mea
     def fake(batcher, tree, prompts, size, max_new_tokens, first=0):
         runs.append((str(tree or "vanilla"), max_new_tokens, size, first))
         return speeds[size][str(tree or "vanilla")], 1.0, []
-    monkeypatch.setattr(batch_mod, "run_batch", fake)
-    schedule, table = batch_mod.tune_schedule(None, [[1]], chains=(2,), trees=WIDE, chain_only=exact_trees == "chain")
+    monkeypatch.setattr(tune_mod, "run_batch", fake)
+    schedule, table = tune_mod.tune_schedule(None, [[1]], chains=(2,), trees=WIDE, chain_only=exact_trees == "chain")
     assert str(schedule) == expected and table == {b: speeds[b] for b in measured}
     assert {b: len(row) for b, row in table.items()} == measured
     warm = len(speeds[1])                                      # first every candidate once, for 4 tokens
     assert [r[:2] for r in runs[:warm]] == [(t, 4) for t in speeds[1]]
-    assert all(n == batch_mod.BATCH_TOKENS for _, n, _, _ in runs[warm:])
+    assert all(n == tune_mod.BATCH_TOKENS for _, n, _, _ in runs[warm:])
     for b, row in table.items():      # rounds of b requests, prompts rotated, every candidate once per round
-        rounds = -(-batch_mod.BATCH_MIN_REQUESTS // b)
+        rounds = -(-tune_mod.BATCH_MIN_REQUESTS // b)
         assert [(t, f) for t, _, size, f in runs[warm:] if size == b] == [(t, r * b) for r in range(rounds)
                                                                              for t in row]
 
@@ -254,15 +252,15 @@ def test_tuning_rates_over_rounds_are_tokens_over_seconds(monkeypatch):
     tokens it decoded, and one that decoded none only its time."""
     rounds = {"vanilla": [(40, 1.0), (40, 1.0), (40, 1.0), (40, 1.0)],
               "chain:2": [(24, 0.15), (32, 1.0), (32, 1.0), (0, 0.01)]}     # 160, 32, 32 tokens/s, nothing
-    monkeypatch.setattr(batch_mod, "run_batch",
+    monkeypatch.setattr(tune_mod, "run_batch",
                         lambda batcher, tree, prompts, size, n, first=0: (*rounds[str(tree or "vanilla")][first], []))
-    schedule, table = batch_mod.tune_schedule(None, [[1], [2], [3], [4]], sizes=(1,), chains=(2,), trees=(),
+    schedule, table = tune_mod.tune_schedule(None, [[1], [2], [3], [4]], sizes=(1,), chains=(2,), trees=(),
                                               chain_only=True)
     assert table == {1: {"vanilla": 40.0, "chain:2": round(88 / 2.16, 2)}} and str(schedule) == "1:vanilla"
 
 
 def test_chain_only_engines_refuse_dynamic_schedules(backends):
-    bb = TorchBatchBackend(backends["llama/eagle3"], slots=2, extra_rows=8)
+    bb = backends["llama/eagle3"].with_slots(2, 8)
     bb.exact_trees = "chain"                      # what an int8 engine's exactness rules say
     BatchedGenerator(bb, Schedule.parse("1:chain:3"))
     with pytest.raises(ValueError, match="chain trees only"):
@@ -270,7 +268,7 @@ def test_chain_only_engines_refuse_dynamic_schedules(backends):
 
 
 def test_slot_memory_is_reported(backends):
-    bb = TorchBatchBackend(backends["llama/eagle3"], slots=3, extra_rows=4)
+    bb = backends["llama/eagle3"].with_slots(3, 4)
     s = bb.spec
     target = 2 * s.num_layers * s.num_kv_heads * (s.max_context + 4) * s.head_dim * 4
     assert bb.slot_bytes > target and bb.tcache.slot_bytes == target
@@ -303,7 +301,7 @@ def test_tree_steps_accept_side_branches_and_commit_exactly_the_accepted_path(na
         return vs
     monkeypatch.setattr(batch_mod, "verify_rows", recording)
     s = Schedule.parse("1:dynamic:8/4/3,3:dynamic:10/3/4")
-    bb = batch_backend(single, 4, s.max_nodes)
+    bb = single.with_slots(4, s.max_nodes)
     bb.draft_forward = _swap_two_best(bb.draft_forward)
     gen = BatchedGenerator(bb, s)
     rng = random.Random(0)
@@ -318,7 +316,7 @@ def test_tree_steps_accept_side_branches_and_commit_exactly_the_accepted_path(na
         for slot, r in enumerate(gen.active):
             context = r.input_ids + r.result.output_ids[:r.length - len(r.input_ids)]
             assert len(context) == r.length == bb.tcache.length[slot]
-            one = batch_backend(single, 1)        # the context decoded alone in one forward: its keys and values
+            one = single.with_slots(1)        # the context decoded alone in one forward: its keys and values
             one.target_forward(slice(0, 1), torch.tensor([context]), torch.arange(len(context))[None])
             for mine, ref in zip(bb.tcache.rows(slot, r.length), one.tcache.rows(0, r.length)):
                 assert torch.allclose(mine, ref, atol=1e-4), r.index
@@ -354,7 +352,7 @@ def test_a_tree_in_the_slots_drafts_what_the_single_request_drafter_drafts(name,
         alone.append((SpeculativeGenerator(b, tree).generate(p, MAX_NEW), log))
     for size in (1, 4):
         logs = {}
-        gen = BatchedGenerator(batch_backend(b, size, tree.max_nodes), Schedule.fixed(tree))
+        gen = BatchedGenerator(b.with_slots(size, tree.max_nodes), Schedule.fixed(tree))
         reqs = [gen.submit(p, MAX_NEW) for p in picks]
         while not gen.idle:
             gen._admit()
@@ -376,7 +374,7 @@ def test_a_dynamic_tree_near_the_context_end(schedule, backends):
     g = torch.Generator().manual_seed(3)
     picks = [torch.randint(0, b.spec.vocab_size, (n,), generator=g).tolist() for n in (ctx - 9, ctx - 4, 30)]
     s = Schedule.parse(schedule)
-    gen = BatchedGenerator(TorchBatchBackend(b, slots=3, extra_rows=s.max_nodes), s)
+    gen = BatchedGenerator(b.with_slots(3, s.max_nodes), s)
     reqs = [gen.submit(p, 20) for p in picks]
     gen.run()
     for r, p in zip(reqs, picks):
@@ -390,7 +388,7 @@ def test_a_cost_tree_shrinks_to_the_room_left(backends, alone, prompts, monkeypa
     monkeypatch.setattr(batch_mod, "cost_curve", lambda b: flat)
     b, s = backends["llama/eagle3"], Schedule.parse("1:cost:6/4")
     context = max(len(p) for p in prompts[:4]) + MAX_NEW
-    gen = BatchedGenerator(batch_backend(BoundedContext(b, context), 4, s.max_nodes), s)
+    gen = BatchedGenerator(b.with_slots(4, s.max_nodes, context), s)
     reqs = [gen.submit(p, MAX_NEW) for p in prompts[:4]]
     gen.run()
     for r, want in zip(reqs, alone["llama/eagle3"]):
@@ -412,14 +410,13 @@ def test_torch_rows_in_a_batch_round_like_rows_alone_up_to_1e_5(backends):
     for N in (1, 4):
         prompts = [torch.randint(0, s.vocab_size, (L,), generator=g) for L in LENS]
         new = torch.randint(0, s.vocab_size, (len(LENS), N), generator=g)
-        bb = TorchBatchBackend(backends["llama/eagle3"], slots=len(LENS))
+        bb = backends["llama/eagle3"].with_slots(len(LENS))
         solo = []
         for i, (p, L) in enumerate(zip(prompts, LENS)):
-            c = new_cache(s.num_layers, 1, s.num_kv_heads, s.head_dim, 128, torch.float32)
-            with torch.inference_mode():
-                target(p[None], torch.arange(L)[None], causal_mask(L), c)
-                c.commit(torch.arange(L))
-                solo.append(target(new[i:i + 1], torch.arange(L, L + N)[None], causal_mask(N, L), c)[0][0])
+            one = backends["llama/eagle3"].with_slots(1)
+            one.target_forward(slice(0, 1), p[None], torch.arange(L)[None])
+            one.target_commit(0, torch.arange(L))
+            solo.append(one.target_forward(slice(0, 1), new[i:i + 1], torch.arange(L, L + N)[None])[0][0])
             bb.target_forward(slice(i, i + 1), p[None], torch.arange(L)[None])
             bb.tcache.commit(i, torch.arange(L))
         pos = torch.tensor(LENS)[:, None] + torch.arange(N)
@@ -483,10 +480,10 @@ def test_ort_rows_bit_identical_padded_or_not(ort_engine):
     N = 4
     prompts = [torch.randint(0, s.vocab_size, (L,), generator=g) for L in LENS]
     new = torch.randint(0, s.vocab_size, (len(LENS), N), generator=g)
-    bb = batch_backend(ort_engine.backend, len(LENS))
+    bb = ort_engine.backend.with_slots(len(LENS))
     solo = []
     for i, (p, L) in enumerate(zip(prompts, LENS)):
-        one = batch_backend(ort_engine.backend, 1)
+        one = ort_engine.backend.with_slots(1)
         one.target_forward(slice(0, 1), p[None], torch.arange(L)[None])
         one.tcache.commit(0, torch.arange(L))
         solo.append(one.target_forward(slice(0, 1), new[i:i + 1], torch.arange(L, L + N)[None])[0][0])
@@ -594,7 +591,7 @@ def test_a_lone_request_in_the_slots_is_bit_identical_to_the_single_request_path
         for text in trees:
             tree = TreeConfig.parse(text)
             single = [SpeculativeGenerator(b, tree, sampling).generate(p, MAX_NEW) for p in prompts[:6]]
-            gen = BatchedGenerator(batch_backend(b, 4, tree.max_nodes), Schedule.fixed(tree))
+            gen = BatchedGenerator(b.with_slots(4, tree.max_nodes), Schedule.fixed(tree))
             for p, w, v in zip(prompts[:6], single, vanilla):
                 r = gen.submit(p, MAX_NEW, sampling)
                 gen.run()

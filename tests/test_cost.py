@@ -9,7 +9,6 @@ import pytest
 from eaglex.runtime import cost as cost_mod
 from eaglex.runtime.cost import COST_SIZES, CostCurve, cost_curve, interp, measure_curve
 from eaglex.runtime.drafter import Drafter
-from eaglex.runtime.engine import BoundedContext
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
@@ -52,7 +51,7 @@ class Stored:
 
 
 class Wrapper:
-    """A batched backend or BoundedContext over the same models."""
+    """A backend over the same models (with_slots)."""
     def __init__(self, source):
         self.source = source
 
@@ -77,8 +76,9 @@ def test_a_curve_is_measured_once_per_set_of_models(models, monkeypatch):
     assert calls == [backend]                       # timed on the models' own backend, at its full context
     assert [n for n, _ in first.verify_ms] == list(COST_SIZES) == [n for n, _ in first.draft_ms]
     assert first.context == 256 and all(ms > 0 for _, ms in first.verify_ms + first.draft_ms)
-    assert cost_curve(backend) is first and cost_curve(BoundedContext(backend, 100)) is first
-    assert cost_curve(Wrapper(BoundedContext(backend, 100))) is first and len(calls) == 1
+    bounded = backend.with_slots(2, context=100)
+    assert cost_curve(backend) is first and cost_curve(bounded) is first
+    assert cost_curve(bounded.with_slots(3)) is first and len(calls) == 1
     other = TorchBackend(models["llama"], models["llama/eagle3"])
     assert cost_curve(other) is not first and len(calls) == 2
 

@@ -11,7 +11,6 @@ import torch
 
 from eaglex.base.errors import ModelError
 from eaglex.cli import main
-from eaglex.runtime.backend import full_mask
 from eaglex.runtime.batch import chain_for
 from eaglex.runtime.device import device_of, host, resolve_device
 from eaglex.runtime.engine import open_models
@@ -19,6 +18,7 @@ from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
 from eaglex.runtime.ort_session import choose_providers, provider_device
 from eaglex.runtime.static import MIN_WINDOW, window_for, window_mask
 from eaglex.runtime.torch_backend import TorchBackend
+from eaglex.runtime.torch_cache import SlotCache
 from eaglex.runtime.types import SamplingConfig, TreeConfig
 
 MAX_NEW = 40
@@ -99,18 +99,23 @@ def test_window_for():
 
 
 @pytest.mark.parametrize("length,pending,n", [(0, 0, 5), (7, 0, 1), (7, 3, 4), (30, 12, 10), (0, 6, 6)])
-def test_window_mask_matches_full_mask(length, pending, n):
+def test_window_mask_matches_the_eager_mask(length, pending, n):
     """The device-built window mask = the eager mask over the rows that exist, then nothing."""
     g = torch.Generator().manual_seed(length * 100 + pending * 10 + n)
     local = torch.rand(2, n, pending + n, generator=g) < 0.5
     window = window_for(length + pending + n, 1024)
     got = window_mask(local, torch.tensor([length]), window)
-    want = full_mask(local, 2, n, length, pending)
     end = length + pending + n
+
+    def eager(mask, batch):                  # the eager backend's mask for rows at `length` with `pending` rows
+        c = SlotCache(1, batch, 1, 1, 1024, torch.float32)
+        c.length, c.pending = [length] * batch, [pending] * batch
+        starts, stop = c.begin(slice(0, batch), n)
+        return c.mask(slice(0, batch), starts, stop, mask, n)
     assert got.shape == (2, 1, n, window)
-    assert torch.equal(got[..., :end], want) and not got[..., end:].any()
+    assert torch.equal(got[..., :end], eager(local, 2)) and not got[..., end:].any()
     causal = window_mask(torch.ones(1, n, pending + n, dtype=torch.bool).tril(pending), torch.tensor([length]), window)
-    assert torch.equal(causal[..., :end], full_mask(None, 1, n, length, pending))
+    assert torch.equal(causal[..., :end], eager(None, 1))
 
 
 CASES = [("eagle3", "dynamic:60/8/10"), ("eagle3", "chain:6"), ("eagle1", "static"), ("eagle1", "dynamic:8/5/3")]

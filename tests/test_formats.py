@@ -9,14 +9,13 @@ import shutil
 import pytest
 import reference_eagle as ref
 import torch
+from helpers import attend, one_slot_cache
 
 from eaglex.base.errors import ModelError
 from eaglex.models.eagle import load_draft
 from eaglex.models.seeded import make_eagle1_head, make_eagle3_head, make_llama_target
 from eaglex.models.target import load_target
-from eaglex.runtime.backend import full_mask
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
-from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
@@ -25,8 +24,8 @@ def _draft_rows(head, hidden, ids, project):
     """Run the loaded head over T rows causally (positions 0..T-1) with a fresh cache."""
     T = ids.shape[0]
     s = head.spec
-    cache = new_cache(1, 1, s.num_kv_heads, s.head_dim, T, torch.float32)
-    return head(hidden[None], ids[None], torch.arange(T)[None], full_mask(None, 1, T, 0, 0), cache, project)[0]
+    cache = one_slot_cache(1, s.num_kv_heads, s.head_dim, T)
+    return head(hidden[None], ids[None], torch.arange(T)[None], attend(cache, T), cache, project)[0]
 
 
 @pytest.mark.parametrize("fmt", ["bin", "safetensors"])

@@ -106,19 +106,18 @@ def test_batching_on_the_device_matches_vanilla(models, cases_prompts, reference
     there): every request's output is its vanilla one, 1, 4 and 16 requests at a time, vanilla-batched and
     EAGLE-batched; a request alone in the slots is bit-identical to the single-request path."""
     from eaglex.runtime.batch import BatchedGenerator, Schedule
-    from eaglex.runtime.batch_backend import batch_backend
 
     backend = TorchBackend(models["llama"], models["llama/eagle3"], device=DEVICE, mode=MODE)
     _, want = reference["llama"]
     for text in ("1:vanilla", "1:dynamic:16/6/4,2:chain:3"):
         s = Schedule.parse(text)
         for size in (1, 4) if QUICK else (1, 4, 16):
-            gen = BatchedGenerator(batch_backend(backend, size, s.max_nodes), s)
+            gen = BatchedGenerator(backend.with_slots(size, s.max_nodes), s)
             reqs = [gen.submit(p, MAX_NEW) for p in cases_prompts]
             gen.run()
             assert [r.result.output_ids for r in reqs] == want, (text, size)
     tree = TreeConfig.parse("dynamic:16/6/4")
-    gen = BatchedGenerator(batch_backend(backend, 4, tree.max_nodes), Schedule.fixed(tree))
+    gen = BatchedGenerator(backend.with_slots(4, tree.max_nodes), Schedule.fixed(tree))
     for p in cases_prompts[:4]:
         w = SpeculativeGenerator(backend, tree).generate(p, MAX_NEW)
         r = gen.submit(p, MAX_NEW)

@@ -164,10 +164,10 @@ def test_no_function_local_import_of_what_the_top_imports():
 
 def test_a_planted_pointless_local_import_fails():
     files = product_files()
-    files["eaglex.runtime.generate"] += "\n\ndef _late():\n    from eaglex.base.errors import ModelError\n"
+    files["eaglex.runtime.batch"] += "\n\ndef _late():\n    from eaglex.base.errors import ModelError\n"
     files["eaglex.base.fsio"] += "\n\ndef _fine():\n    from eaglex.base import prompts\n"      # not at the top
     assert deferred_nothing(files) == [
-        "eaglex.runtime.generate: _late() imports eaglex.base.errors, imported at the top already"]
+        "eaglex.runtime.batch: _late() imports eaglex.base.errors, imported at the top already"]
 
 
 def test_a_planted_upward_import_fails():

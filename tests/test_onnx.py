@@ -149,10 +149,10 @@ def test_tree_commits_move_rows_losslessly(engines, prompts, monkeypatch):
     moves = {"rows": 0}
     commit = b.tcache.commit
 
-    def spy_commit(keep):
+    def spy_commit(slot, keep):
         if keep.shape[0] and not torch.equal(keep, torch.arange(keep.shape[0])):
             moves["rows"] += int(keep.shape[0])
-        commit(keep)
+        commit(slot, keep)
     monkeypatch.setattr(b.tcache, "commit", spy_commit)
     vanilla = VanillaGenerator(b)
     for tree in (TreeConfig.chain(4), TreeConfig.parse("dynamic:60/8/10")):
@@ -180,9 +180,8 @@ def test_moved_rows_equal_rows_computed_in_place(engines):
     context = torch.cat([ids[:, :7], tree[:, [0, 2, 4]]], 1)
     direct.target_forward(ONE, context, torch.arange(10)[None], None)
     direct.target_commit(0, torch.arange(10))
-    assert moved.tcache.length == direct.tcache.length == 10
-    for a, b in zip(moved.tcache.buffers, direct.tcache.buffers):
-        assert np.array_equal(a[:10], b[:10])
+    assert moved.tcache.length == direct.tcache.length == [10]
+    assert np.array_equal(moved.tcache.kv[:, :10], direct.tcache.kv[:, :10])
     out = [b.target_forward(ONE, tree, torch.tensor([[10, 11, 11, 12, 12]]), mask) for b in (moved, direct)]
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 

@@ -561,7 +561,7 @@ def test_int8_cache_keeps_rows_where_vanilla_computes_them(float_engine, tmp_pat
     moved.target_forward(ONE, torch.arange(10, 20)[None], torch.arange(10)[None], None)
     moved.target_commit(0, torch.arange(8))                                    # 8 of 10 prefill rows
     logits, feats = moved.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
-    assert logits.shape[1] == 1 and feats.shape[1] == 1 and moved.tcache.pending == 1
+    assert logits.shape[1] == 1 and feats.shape[1] == 1 and moved.tcache.pending == [1]
     moved.target_commit(0, torch.arange(1))
     mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
     moved.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 10]]), mask)
@@ -569,8 +569,8 @@ def test_int8_cache_keeps_rows_where_vanilla_computes_them(float_engine, tmp_pat
     context = torch.tensor([list(range(10, 18)) + [5, 6, 8]])
     direct.target_forward(ONE, context, torch.arange(11)[None], None)
     direct.target_commit(0, torch.arange(11))
-    assert moved.tcache.length == direct.tcache.length == 11 and moved.tcache.pending == 0
-    for a, b in zip(moved.tcache.buffers, direct.tcache.buffers):
+    assert moved.tcache.length == direct.tcache.length == [11] and moved.tcache.pending == [0]
+    for a, b in zip(moved.tcache.kv, direct.tcache.kv):
         assert np.array_equal(a[:11], b[:11])
     out = [b.target_forward(ONE, torch.tensor([[9, 10]]), torch.tensor([[11, 12]]), None) for b in (moved, direct)]
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
@@ -612,12 +612,12 @@ def test_min_rows_pads_one_row_calls_and_keeps_no_holes(float_engine, calibrated
     b.target_forward(ONE, ids, torch.arange(8)[None], None)
     b.target_commit(0, torch.arange(8))
     logits, feats = b.target_forward(ONE, torch.tensor([[5]]), torch.tensor([[8]]), None)
-    assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == 2
+    assert logits.shape[1] == 1 and feats.shape[1] == 1 and b.tcache.pending == [2]
     b.target_commit(0, torch.arange(1))
-    assert b.tcache.length == 9 and b.tcache.pending == 0
+    assert b.tcache.length == [9] and b.tcache.pending == [0]
     b.target_forward(ONE, torch.tensor([[6, 7, 8]]), torch.tensor([[9, 10, 11]]), None)
     b.target_commit(0, torch.tensor([0, 1]))                          # the last row rejected
-    assert b.tcache.length == 11 and b.tcache.pending == 0
+    assert b.tcache.length == [11] and b.tcache.pending == [0]
 
 
 @needs_modelopt

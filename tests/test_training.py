@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import attend, one_slot_cache
 
 from eaglex.models.eagle import load_draft
 from eaglex.models.target import eagle3_taps, load_target
-from eaglex.runtime.backend import full_mask
-from eaglex.runtime.kv_cache import new_cache
 from eaglex.runtime.types import TreeConfig
 from eaglex.training import corpus, data, tokenizer
 from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
@@ -83,15 +82,15 @@ def test_ttt_step_s_equals_the_inference_chain(llama):
             outs.append(h)
         d = head.spec
         for t in range(n):
-            cache = new_cache(1, 1, d.num_kv_heads, d.head_dim, 32, torch.float32)
-            x = head(feats[:, :t + 1], tokens[:, 1:t + 2], torch.arange(t + 1)[None], full_mask(None, 1, t + 1, 0, 0),
-                     cache, True)
-            cache.commit(torch.arange(t + 1))
+            cache = one_slot_cache(1, d.num_kv_heads, d.head_dim, 32)
+            x = head(feats[:, :t + 1], tokens[:, 1:t + 2], torch.arange(t + 1)[None], attend(cache, t + 1), cache,
+                     True)
+            cache.commit(0, torch.arange(t + 1))
             torch.testing.assert_close(x[0, t], outs[0][0, t], atol=1e-5, rtol=1e-5)
             x = x[:, -1:]
             for s in range(1, min(S, n - t)):
                 x = head(x, tokens[:, t + 1 + s:t + 2 + s], torch.tensor([[t + s]]),
-                         full_mask(None, 1, 1, cache.length, cache.pending), cache, False)
+                         attend(cache, 1), cache, False)
                 torch.testing.assert_close(x[0, 0], outs[s][0, t], atol=1e-5, rtol=1e-5)
 
 
@@ -124,11 +123,11 @@ def test_saved_head_loads_through_the_official_loader(llama, tmp_path, kind):
     n = 6
     hidden = torch.randn(1, n, llama.feature_size)
     ids = torch.randint(0, llama.spec.vocab_size, (1, n))
-    args = (hidden, ids, torch.arange(n)[None], full_mask(None, 1, n, 0, 0))
     d = head.spec
+    caches = [one_slot_cache(1, d.num_kv_heads, d.head_dim, 8) for _ in range(2)]
     with torch.no_grad():
-        want = head(*args, new_cache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
-        got = loaded(*args, new_cache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+        want = head(hidden, ids, torch.arange(n)[None], attend(caches[0], n), caches[0], True)
+        got = loaded(hidden, ids, torch.arange(n)[None], attend(caches[1], n), caches[1], True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if kind == "eagle3":
         assert torch.equal(loaded.d2t, d2t)
@@ -263,8 +262,8 @@ def _head_out(head, seed: int = 0) -> torch.Tensor:
     hidden = torch.randn(1, n, max(1, len(d.taps)) * d.hidden_size, generator=g)   # EAGLE-3: 3 fused layers
     ids = torch.randint(0, d.vocab_size, (1, n), generator=g)
     with torch.no_grad():
-        return head(hidden, ids, torch.arange(n)[None], full_mask(None, 1, n, 0, 0),
-                    new_cache(1, 1, d.num_kv_heads, d.head_dim, 8, torch.float32), True)
+        cache = one_slot_cache(1, d.num_kv_heads, d.head_dim, 8)
+        return head(hidden, ids, torch.arange(n)[None], attend(cache, n), cache, True)
 
 
 def test_eagle3_init_first_loss_is_the_loaded_heads(llama, selfdistill, models):

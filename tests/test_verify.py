@@ -52,8 +52,9 @@ def test_verify_greedy(name, tree, argmax, nodes, next_token):
     assert verdict.next_token == next_token
 
 
-def test_verify_greedy_host_path_matches_torch_path():
-    """The numpy path (CPU tensors) and the torch path (other devices) give the same verdict on random trees."""
+def test_verify_greedy_matches_the_path_algebra_in_torch():
+    """The numpy walk gives the verdict of the same path algebra written in torch (evaluate_posterior's), on random
+    trees."""
     from eaglex.runtime import verify
 
     g = torch.Generator().manual_seed(0)

@@ -54,8 +54,6 @@ KNOBS = dict(eps_attn=2.7, eps_mlp=0.4, qk_gain=2.0, anti_self=0.9, norm_jitter=
 ALPHA = 0.8            # map-following rate the target is calibrated to: a 6-token chain then commits ~3.9 per cycle
 GPU_TREES = ("chain:4", "chain:6", "dynamic:16/6/4", "dynamic:32/7/8", "dynamic:60/8/10")
 IN_FLIGHT = (1, 4, 16)  # requests decoded together in the batched phase
-TUNE_CANDIDATES = ("chain:3", "chain:4", "chain:5", "chain:6", "chain:8", "dynamic:12/6/4", "dynamic:16/6/4",
-                   "dynamic:24/7/6", "dynamic:32/7/8", "dynamic:48/8/8", "dynamic:60/8/10")
 
 
 class Budget:
@@ -408,7 +406,7 @@ class Check:
     # ---- bench
     def phase_bench(self):
         from eaglex import bench
-        from eaglex.runtime.autotune import autotune
+        from eaglex.runtime.autotune import CANDIDATES, autotune
         from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
         from eaglex.runtime.torch_backend import TorchBackend
         from eaglex.runtime.types import TreeConfig
@@ -416,7 +414,8 @@ class Check:
         m = self.models or self._need_models()
         backend, prompts, device = m["backend"], m["prompts"], self.device
         max_new = 24 if self.quick else 128
-        candidates = tuple(TreeConfig.parse(t) for t in (TUNE_CANDIDATES[:4] if self.quick else TUNE_CANDIDATES))
+        ladder = tuple(t for t in CANDIDATES if t.max_nodes >= 4)        # the tuning ladder from chain:3 on
+        candidates = ladder[:4] if self.quick else ladder
         tune_prompts, tune_new = prompts[:2 if self.quick else 4], 16 if self.quick else 32
         if not self.quick:                     # a first pass captures every candidate's graphs; the second is timed
             autotune(backend, tune_prompts, tune_new, candidates)
@@ -510,9 +509,8 @@ class Check:
 
     # ---- batched (in-flight batching on the device)
     def phase_batched(self):
-        from eaglex.runtime.batch import BatchedGenerator, chain_for, run_batch, schedule_from
-        from eaglex.runtime.batch_backend import batch_backend
-        from eaglex.runtime.engine import BoundedContext
+        from eaglex.runtime.autotune import run_batch, schedule_from
+        from eaglex.runtime.batch import BatchedGenerator, chain_for
         from eaglex.runtime.equivalence import first_divergence, logit_margin
         from eaglex.runtime.generate import VanillaGenerator
         from eaglex.runtime.types import TreeConfig
@@ -528,8 +526,8 @@ class Check:
         nodes = max(t.max_nodes for t in trees)
         single = m["backend"]
         # slots as long as these requests need, with room for a tree after the last token (every slot holds it)
-        bounded = BoundedContext(single, min(max(map(len, prompts)) + max_new + nodes, single.spec.max_context))
-        backend = batch_backend(bounded, max(IN_FLIGHT), nodes)
+        backend = single.with_slots(max(IN_FLIGHT), nodes,
+                                    min(max(map(len, prompts)) + max_new + nodes, single.spec.max_context))
         alone = VanillaGenerator(single)
         want = [alone.generate(p, max_new).output_ids for p in prompts]
         exact = self.dtype == "float32"      # fp32 promises equality; bf16 rows batched round differently
@@ -586,12 +584,12 @@ class Check:
         lines.append(f"each request against the same request decoded alone by vanilla decoding ({max_new} tokens; "
                      f"both passes of every row; {self.dtype}"
                      + ("" if exact else ": a divergence at a small logit margin is rounding, a large one a bug") + ")")
-        lines.append(f"the schedule these numbers give (runtime/batch.schedule_from): {picked}")
+        lines.append(f"the schedule these numbers give (runtime/autotune.schedule_from): {picked}")
         if graphs is not None:
             lines.append(f"CUDA graphs: {len(graphs.graphs)} kept, {len(graphs.failed)} failed captures")
         self.section(f"batched: vanilla vs EAGLE-3 in-flight batching, {self.shape} target in {self.dtype} on "
                      f"{self.device} ({backend.mode} forwards)", "\n".join(lines + errors))
-        del backend, bounded
+        del backend
         if self.cuda:
             torch.cuda.empty_cache()
         status = "error" if errors else "failed" if exact and diverged else "ok"
