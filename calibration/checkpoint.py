@@ -23,7 +23,7 @@ QUANT_CONFIG = "hf_quant_config.json"
 @dataclass(frozen=True)
 class Fp8Scales:
     """Calibrated FP8 scales of one Linear (both amax / 448) and its FP8 weight bits as stored. The same fields as
-    export.quantize.Fp8Scales, which reads them by name (calibration does not import export)."""
+    export.quant_graphs.Fp8Scales, which reads them by name (calibration does not import export)."""
     weight_scale: float
     input_scale: float
     weight_fp8: np.ndarray | None = None     # uint8 bit patterns of float8_e4m3fn, [out, in] as in the checkpoint

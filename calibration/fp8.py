@@ -50,7 +50,7 @@ from eaglex.base.fsio import check_out, staged
 from eaglex.base.prompts import TOKENIZER_FILES, load_tokenizer
 
 from . import memory
-from .data import TextWindows, load_windows
+from .windows import TextWindows, load_windows
 
 QUANTS = ("fp8",)
 KV_CACHE = ("fp8",)
@@ -63,7 +63,7 @@ REF_FLOAT32_LIMIT = 64 * 1024 ** 2
 class CalibrateConfig:
     quant: str = "fp8"
     kv_cache: str | None = None      # "fp8": also calibrate the k/v cache scales (FP8_KV_CFG)
-    data: str = "auto"               # auto | builtin-chat | builtin | hf:NAME[:SPLIT] | a JSONL file (data.py)
+    data: str = "auto"               # auto | builtin-chat | builtin | hf:NAME[:SPLIT] | a JSONL file (windows.py)
     samples: int = 32                # calibration windows
     seq_len: int = 256               # tokens per window
     eval_samples: int = 8            # held-out windows for the quality report

@@ -1,9 +1,9 @@
 """Per-channel activation maxima of a target's Linear layers, the statistics w8a8 engines smooth with.
 
-An int8 activation quantized per row (export/quantize.rowwise_int8) loses the small channels of a row that one
+An int8 activation quantized per row (export/quant_graphs.rowwise_int8) loses the small channels of a row that one
 outlier channel stretches. SmoothQuant (Xiao et al. 2023) moves that range into the weights: input channel j is
 divided by s_j = max|x_j|^alpha / max|w_j|^(1 - alpha) and the weight's row j multiplied by it, which changes no
-float product. The maxima come from running the float target on calibration text (calibration/data.py: chat
+float product. The maxima come from running the float target on calibration text (calibration/windows.py: chat
 instructions for a chat model), never on the evaluation windows.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .data import load_windows
+from .windows import load_windows
 
 SMOOTH_SAMPLES = 32          # calibration windows of SMOOTH_SEQ_LEN tokens (~8k tokens: a few seconds on 2 cores)
 SMOOTH_SEQ_LEN = 256
@@ -23,7 +23,7 @@ SMOOTH_SEQ_LEN = 256
 def activation_max(target_dir, samples: int = SMOOTH_SAMPLES, seq_len: int = SMOOTH_SEQ_LEN, data: str = "auto",
                    progress: bool = True) -> dict[str, np.ndarray]:
     """{Hugging Face module name: [in_features] max |input| over the calibration windows} for every nn.Linear of
-    the Hugging Face model folder `target_dir`. `data`: calibration/data.py's sources (text ones need the folder's
+    the Hugging Face model folder `target_dir`. `data`: calibration/windows.py's sources (text ones need the folder's
     tokenizer; a JSONL of input_ids does not)."""
     from eaglex.base.prompts import has_tokenizer, load_tokenizer
 

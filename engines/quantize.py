@@ -2,7 +2,7 @@
 quantized one.
 
 The float engine is built first (engines/build.py, with its own parity check against torch); this module then
-rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py:
+rewrites target.onnx (and, when asked, the draft graphs) with export/quant_graphs.py:
 
 - fp8:  FP8 Q/DQ from the scales of a calibrated ModelOpt checkpoint (`eaglex calibrate`). The KV cache stays in
         the engine dtype: k/v scales, if calibrated, are recorded but not applied (ONNX Runtime's CPU EP has no FP8
@@ -13,7 +13,7 @@ rewrites target.onnx (and, when asked, the draft graphs) with export/quantize.py
   rows share the call, wherever its keys sit in the cache and whatever it is batched with: the manifest's
   `exactness` records `row_independent_keys` (calls seeing up to that many keys) and the runtime keeps no rule but
   that bound (runtime/ort_backend.py).
-- w8a8: SmoothQuant (export/quantize.rowwise_int8): int8 weights per output channel, int8 activations per row, on
+- w8a8: SmoothQuant (export/quant_graphs.rowwise_int8): int8 weights per output channel, int8 activations per row, on
   ONNX Runtime's integer GEMM, smoothed by activation ranges measured on the float target (calibration/smooth.py,
   calibration text as `eaglex calibrate --data`). Rows are independent by construction, so the same contract as
   int8; the GEMM reads each weight once for all rows, so verifying a few rows costs about one row's step (SmolLM2:
@@ -63,7 +63,7 @@ FORMATS = {
 # Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
 EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": (), "int4": (), "w8a8": ()}
 # How the runtime keeps a quantized engine's speculative output bit-identical to its vanilla output
-# (export/quantize.py says why): int8 or FP8 activations amplify the float rounding differences between a one-row
+# (export/quant_graphs.py says why): int8 or FP8 activations amplify the float rounding differences between a one-row
 # and a many-row Attention call, between keys at different indices, and between rows padded together in a batch
 # (measured on SmolLM2: without these rules the fp8 engine matched vanilla on 1 of 8 prompts, int8 on 0 of 4).
 EXACT_RULES = {"min_rows": 2, "kv_holes": False, "trees": "chain", "batching": False}
@@ -77,7 +77,7 @@ DRAFT_PREFIXES = {"layers.0.": "midlayer."}
 def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool = False, calibrated_draft_dir=None,
                     data: str = "auto", progress: bool = True) -> dict:
     """Quantize the engine folder `engine_dir` in place; returns its new manifest. `data`: w8a8's calibration text
-    (calibration/data.py's sources). Bad input: one-line ModelError."""
+    (calibration/windows.py's sources). Bad input: one-line ModelError."""
     t0 = time.perf_counter()
     engine = Path(engine_dir)
     if quant not in QUANT_METHODS:
@@ -116,7 +116,7 @@ def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool 
 def quantize_draft(engine_dir, progress: bool = True) -> dict:
     """Quantize only the draft graphs of the float engine folder `engine_dir` (int8 MatMulNBits) in place; returns
     its new manifest, whose `draft_quant` records it. The target stays float, so nothing about exactness changes."""
-    from eaglex.export.quantize import nbits_weight_only
+    from eaglex.export.quant_graphs import nbits_weight_only
 
     t0 = time.perf_counter()
     engine = Path(engine_dir)
@@ -227,7 +227,7 @@ def _source(folder, qc: dict) -> dict:
 def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, int, int] | None):
     """`heads` (query heads, KV heads, head dim) for the target graph: its attention is made row-independent. The
     draft's stays fused (faster): the draft only proposes, its numerics never reach the output."""
-    from eaglex.export.quantize import fp8_qdq, nbits_weight_only, rowwise_int8
+    from eaglex.export.quant_graphs import fp8_qdq, nbits_weight_only, rowwise_int8
     if quant == "fp8":
         return fp8_qdq(src, dst, scales, exclude=EXCLUDE["fp8"])
     if quant == "w8a8" and heads is None:       # the draft: only proposes, int8 weight-only suits it

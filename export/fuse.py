@@ -14,7 +14,7 @@ against torch still applies:
   weights concatenated along N, then a Split. Each output column is the same dot product as before (MLAS and
   MatMulNBits sum a column over K in blocks that do not depend on the other columns: bit-identical outputs,
   measured), so only the number of kernel calls changes. It needs the weights, so it runs where they are loaded
-  anyway (int8/int4 quantization, export/quantize.py), where the saved calls pay (~6 % of an int8 step on
+  anyway (int8/int4 quantization, export/quant_graphs.py), where the saved calls pay (~6 % of an int8 step on
   SmolLM2-135M; nothing measurable in float32, whose step is bound by its weight reads).
 
 The measurements behind these choices (interleaved one-token steps, 2-core host): docs/step.md.

@@ -7,7 +7,7 @@ an engine runs the same method and tree wherever it is used. Accepted layouts:
   from the manifest, where tuning (`eaglex tune`, `eaglex engine`) stores the shape it measured as fastest; when
   tuning measured vanilla faster than every tree, the engine runs vanilla unless a method or tree is asked for, and
   keeps the best tree (`Engine.kept_tree`) for that;
-- ``bundle``: a TensorRT-LLM bundle (manifest.json with backend tensorrt-llm), run by runtime/trtllm.py;
+- ``bundle``: a TensorRT-LLM bundle (manifest.json with backend tensorrt-llm), run by runtime/trtllm_bundle.py;
 - ``checkpoint``: a folder with ``target/`` (Hugging Face model) and optionally ``draft/`` (EAGLE head): the
   PyTorch backend, for deployments straight from checkpoints;
 - ``hf``: a bare Hugging Face model folder (config.json): the PyTorch backend, vanilla decoding.
@@ -179,7 +179,7 @@ def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig
     p = Path(path)
     kind = layout(p)
     if kind == "bundle":
-        from .trtllm import TrtllmEngine
+        from .trtllm_bundle import TrtllmEngine
         return TrtllmEngine(p, method=method)
     if kind == "engine":
         from .ort_backend import OrtBackend

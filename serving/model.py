@@ -43,8 +43,8 @@ import triton_python_backend_utils as pb_utils
 from eaglex.base.errors import ModelError
 
 from .loader import load
-from .request import Limits, RequestError, parse, tokenize
 from .textstream import TextStream
+from .triton_request import Limits, RequestError, parse, tokenize
 
 
 class _Abort(Exception):

@@ -10,7 +10,7 @@ import pytest
 
 from eaglex.base import chat_prompts
 from eaglex.base.errors import ModelError
-from eaglex.calibration import data
+from eaglex.calibration import windows
 
 V = 1000
 
@@ -39,14 +39,14 @@ class FakeTokenizer:
 
 
 def test_auto_picks_chat_data_for_chat_models():
-    assert data.resolve_source("auto", FakeTokenizer(chat=True)) == "builtin-chat"
-    assert data.resolve_source("auto", FakeTokenizer(chat=False)) == "builtin"
-    assert data.resolve_source("auto", None) == "builtin"
+    assert windows.resolve_source("auto", FakeTokenizer(chat=True)) == "builtin-chat"
+    assert windows.resolve_source("auto", FakeTokenizer(chat=False)) == "builtin"
+    assert windows.resolve_source("auto", None) == "builtin"
 
 
 def test_builtin_chat_windows_use_the_chat_template_and_keep_held_out_prompts_apart():
     tok = FakeTokenizer()
-    w = data.load_windows("auto", tok, V, eos_id=7, samples=6, seq_len=32, eval_samples=2)
+    w = windows.load_windows("auto", tok, V, eos_id=7, samples=6, seq_len=32, eval_samples=2)
     assert w.source.startswith("auto -> builtin-chat: ") and "chat template applied" in w.source
     train, held = set(chat_prompts.train_prompts()), set(chat_prompts.heldout_prompts())
     assert tok.seen and set(tok.seen) <= train | held
@@ -61,11 +61,11 @@ def test_builtin_chat_windows_use_the_chat_template_and_keep_held_out_prompts_ap
 
 
 def test_builtin_chat_without_a_template_is_plain_text():
-    w = data.load_windows("builtin-chat", FakeTokenizer(chat=False), V, eos_id=7, samples=2, seq_len=16,
+    w = windows.load_windows("builtin-chat", FakeTokenizer(chat=False), V, eos_id=7, samples=2, seq_len=16,
                           eval_samples=1)
     assert "no chat template: plain text" in w.source and 7 in [t for x in w.calibration for t in x]
     with pytest.raises(ModelError, match="builtin-chat is text and needs a tokenizer"):
-        data.load_windows("builtin-chat", None, V, None, 2, 16, 1)
+        windows.load_windows("builtin-chat", None, V, None, 2, 16, 1)
 
 
 def test_hf_dataset_records():
@@ -80,43 +80,43 @@ def test_hf_dataset_records():
         return iter(records)
 
     tok = FakeTokenizer()
-    w = data.load_windows("hf:org/chat-set:train_sft", tok, V, eos_id=7, samples=4, seq_len=8, eval_samples=1,
+    w = windows.load_windows("hf:org/chat-set:train_sft", tok, V, eos_id=7, samples=4, seq_len=8, eval_samples=1,
                           dataset_loader=loader)
     assert calls == [("org/chat-set", "train_sft")]
     assert w.source == "hf:org/chat-set:train_sft (9 records calibration, 2 held out)"
     assert "answer 3" in " ".join(tok.seen) and "hello" in tok.seen and "write a poem" in tok.seen
-    assert data.record_messages({"conversations": [{"from": "robot", "value": "x"}]}) is None
+    assert windows.record_messages({"conversations": [{"from": "robot", "value": "x"}]}) is None
 
 
 def test_hf_dataset_errors():
     def offline(name, split):
         raise ConnectionError("hub unreachable\nsecond line")
     with pytest.raises(ModelError) as e:
-        data.load_windows("hf:org/x", FakeTokenizer(), V, None, 2, 8, 1, dataset_loader=offline)
+        windows.load_windows("hf:org/x", FakeTokenizer(), V, None, 2, 8, 1, dataset_loader=offline)
     assert str(e.value) == ("cannot read the Hugging Face dataset org/x (split train): ConnectionError: hub unreachable; "
                             "give a JSONL file instead when the hub is unreachable")
     with pytest.raises(ModelError, match="gave 1 usable record"):
-        data.load_windows("hf:org/x", FakeTokenizer(), V, None, 2, 8, 1,
+        windows.load_windows("hf:org/x", FakeTokenizer(), V, None, 2, 8, 1,
                           dataset_loader=lambda n, s: [{"text": "only one"}, {"nothing": 2}])
     if importlib.util.find_spec("datasets") is None:
         with pytest.raises(ModelError, match="needs the `datasets` package: pip install datasets"):
-            data.load_windows("hf:org/x", FakeTokenizer(), V, None, 2, 8, 1)
+            windows.load_windows("hf:org/x", FakeTokenizer(), V, None, 2, 8, 1)
 
 
 def test_unknown_source_and_jsonl(tmp_path):
     with pytest.raises(ModelError, match=r"--data 'nope.jsonl': not a file; choose auto, builtin-chat, builtin, "
                                          r"hf:NAME\[:SPLIT\]"):
-        data.load_windows("nope.jsonl", FakeTokenizer(), V, None, 2, 8, 1)
+        windows.load_windows("nope.jsonl", FakeTokenizer(), V, None, 2, 8, 1)
     f = tmp_path / "d.jsonl"
     f.write_text("".join(f'{{"input_ids": [{i}, {i + 1}, {i + 2}]}}\n' for i in range(10, 20)))
-    w = data.load_windows(str(f), None, V, 7, 4, 4, 1)
+    w = windows.load_windows(str(f), None, V, 7, 4, 4, 1)
     assert w.source.endswith("(8 lines calibration, 2 held out)")
 
 
 def test_builtin_corpus_split_matches_training():
-    """calibration/data.py repeats the held-out rule of training/corpus.py (calibration does not import training)."""
+    """calibration/windows.py repeats the held-out rule of training/corpus.py (calibration does not import training)."""
     from eaglex.training import corpus
-    assert data.HELDOUT_PER_MILLE == corpus.CorpusConfig().heldout_per_mille
-    assert data.MAX_FILE_BYTES == corpus.CorpusConfig().max_file_bytes
-    assert data.EXCLUDED_DIRS == corpus.EXCLUDED_DIRS
-    assert data.heldout_files() == [f.path for f in corpus.load(split="heldout")]
+    assert windows.HELDOUT_PER_MILLE == corpus.CorpusConfig().heldout_per_mille
+    assert windows.MAX_FILE_BYTES == corpus.CorpusConfig().max_file_bytes
+    assert windows.EXCLUDED_DIRS == corpus.EXCLUDED_DIRS
+    assert windows.heldout_files() == [f.path for f in corpus.load(split="heldout")]

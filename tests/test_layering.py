@@ -203,3 +203,19 @@ def test_a_planted_lazy_circle_fails():
 def test_relative_imports_resolve():
     assert imports("from .manifest import MANIFEST\n", "eaglex.runtime.engine")[0] == "eaglex.runtime.manifest"
     assert imports("from ..runtime import types\n", "eaglex.serving.model.loader")[0] == "eaglex.serving.runtime"
+
+
+def repeated_names(modules) -> list[str]:
+    """Module base names that occur in more than one package (e.g. a runtime.request and a serving.request)."""
+    by_name: dict[str, list[str]] = {}
+    for m in modules:
+        if not m.endswith("__init__") and m.count(".") >= 1:
+            by_name.setdefault(m.rsplit(".", 1)[1], []).append(m)
+    return sorted(f"{name}: {', '.join(sorted(ms))}" for name, ms in by_name.items() if len(ms) > 1)
+
+
+def test_module_names_are_distinct_across_packages():
+    """One name, one module: a reader (and a traceback) never has to ask which `request` or `quantize` is meant."""
+    assert repeated_names(product_files()) == []
+    assert repeated_names(["eaglex.runtime.request", "eaglex.serving.request", "eaglex.runtime.batch"]) == [
+        "request: eaglex.runtime.request, eaglex.serving.request"]

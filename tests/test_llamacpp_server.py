@@ -18,7 +18,9 @@ from eaglex.base.errors import ModelError  # noqa: E402
 from eaglex.bench_row import eos_stop  # noqa: E402
 from eaglex.cli import main  # noqa: E402
 from eaglex.export import llamacpp as X  # noqa: E402
-from eaglex.presets import REPO_ROOT, get_preset, packaged_file  # noqa: E402
+from eaglex.presets import get_preset, packaged_file  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 HEAD = REPO_ROOT / "models" / "smollm2-135m" / "eagle3"
 BIN = REPO_ROOT / "build" / "llama.cpp" / "bin"

@@ -21,11 +21,11 @@ def test_check_and_demo_prompts_come_from_the_whole_prompt_file():
     from dataclasses import replace
 
     from eaglex.make_engine import check_and_demo
-    from eaglex.presets import REPO_ROOT
+    from eaglex.presets import DATA
     for p in PRESETS.values():
         if p.prompts is None:
             continue
-        lines = [ln for ln in (REPO_ROOT / p.prompts).read_text().splitlines() if ln.strip()]
+        lines = [ln for ln in (DATA / p.prompts).read_text().splitlines() if ln.strip()]
         assert p.demo_prompt < len(lines) and p.check_prompts <= len(lines), p.name
     every = [[i] for i in range(20)]
     texts = [f"q{i}" for i in range(20)]
@@ -46,14 +46,14 @@ def test_tuning_prompts_are_a_file_of_their_own():
     from eaglex.base.prompts import read_records
     from eaglex.engines.tune import TUNE_PROMPTS
     from eaglex.make_engine import tuning_prompts
-    from eaglex.presets import REPO_ROOT
+    from eaglex.presets import DATA
 
     smol = get_preset("smollm2-135m")
     ids = SimpleNamespace(tokenizer=None)          # the files carry input_ids: no tokenizer needed
     tune = tuning_prompts(smol, ids)
     assert len(tune) >= TUNE_PROMPTS
-    measured = [r["input_ids"] for name in (smol.prompts, "models/smollm2-135m/heldout_honest.jsonl")
-                for _, r in read_records(REPO_ROOT / name)]
+    measured = [r["input_ids"] for name in (smol.prompts, "smollm2-135m/heldout_honest.jsonl")
+                for _, r in read_records(DATA / name)]
     assert not {tuple(t) for t in tune} & {tuple(m) for m in measured}
     assert tuning_prompts(replace(smol, tune_prompts=None), ids) == []
 

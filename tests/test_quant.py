@@ -26,7 +26,7 @@ from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.engines.quantize import quantize_draft, quantize_engine, target_parity
-from eaglex.export import quantize as q
+from eaglex.export import quant_graphs as q
 from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROWS_AXIS
 from eaglex.runtime.backend import ONE

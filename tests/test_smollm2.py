@@ -5,11 +5,14 @@ are `make bench`'s (README); this keeps the committed files loadable and lossles
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from eaglex.base.errors import ModelError
-from eaglex.presets import REPO_ROOT, get_preset, packaged_file
+from eaglex.presets import get_preset, packaged_file
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 PRESET = get_preset("smollm2-135m")
 HEADS = REPO_ROOT / "models" / "smollm2-135m"

@@ -16,7 +16,7 @@ from helpers import attend, one_slot_cache
 from eaglex.models.eagle import load_draft
 from eaglex.models.target import eagle3_taps, load_target
 from eaglex.runtime.types import TreeConfig
-from eaglex.training import corpus, data, tokenizer
+from eaglex.training import corpus, tokenizer, tokens
 from eaglex.training.draft_lm import DraftLMConfig, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle1 import head_config as eagle1_config
@@ -25,7 +25,7 @@ from eaglex.training.heads import Teacher, new_head, teacher, teacher_outputs
 from eaglex.training.loop import OptimConfig, step_generator
 from eaglex.training.report import tau_table
 from eaglex.training.selfdistill import SelfDistillConfig, generate
-from eaglex.training.target import TargetConfig, train_target
+from eaglex.training.tiny_target import TargetConfig, train_target
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"
 FAST = OptimConfig(steps=40, lr=3e-3, warmup=5, checkpoint_every=0)
@@ -141,7 +141,7 @@ def test_target_and_draft_lm_trainers_learn(tmp_path):
     tokenizer.save_tokenizer(tok, tmp_path / "tok")
     assert tokenizer.load_tokenizer(tmp_path / "tok").eos_token_id == tok.token_to_id(tokenizer.EOS)
     eos = tok.token_to_id(tokenizer.EOS)
-    stream = data.encode_files(files, tok, eos)
+    stream = tokens.encode_files(files, tok, eos)
     cfg = TargetConfig(hidden_size=64, num_layers=7, num_heads=2, num_kv_heads=1, intermediate_size=128, seq_len=64,
                        batch=8, optim=FAST)
     cfg = replace(cfg, optim=replace(FAST, checkpoint_every=10))
@@ -149,14 +149,14 @@ def test_target_and_draft_lm_trainers_learn(tmp_path):
     assert falls(losses), losses
 
     # a run interrupted after its step-20 checkpoint and resumed ends exactly where the uninterrupted one does
-    import eaglex.training.target as target_mod
+    import eaglex.training.tiny_target as target_mod
     calls = {"n": 0}
 
     def crash_at_25(*args):
         calls["n"] += 1
         if calls["n"] > 25:
             raise KeyboardInterrupt
-        return data.sample_windows(*args)
+        return tokens.sample_windows(*args)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(target_mod, "sample_windows", crash_at_25)

@@ -32,8 +32,8 @@ from eaglex.cli import main
 from eaglex.serving import control, processes, tritonserver
 from eaglex.serving.config import ServeConfig
 from eaglex.serving.repository import write_repository
-from eaglex.serving.request import Limits, RequestError, parse, tokenize
 from eaglex.serving.textstream import TextStream
+from eaglex.serving.triton_request import Limits, RequestError, parse, tokenize
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;()"      # 47 characters + the EOS token = the 48 ids
 

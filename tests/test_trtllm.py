@@ -262,7 +262,7 @@ def _gpu_trtllm() -> str | None:
 @pytest.mark.skipif(_gpu_trtllm() is not None, reason=_gpu_trtllm() or "")
 def test_trtllm_eagle3_matches_vanilla_on_gpu(bundles, prompts):
     """On a GPU machine: TensorRT-LLM's EAGLE-3 over the bundle gives the same greedy tokens as its vanilla run."""
-    from eaglex.runtime.trtllm import TrtllmRunner
+    from eaglex.runtime.trtllm_bundle import TrtllmRunner
     runner = TrtllmRunner(bundles["plain"][0])
     rows = runner.check(prompts[:4], 24)
     assert all(r["identical"] for r in rows), rows

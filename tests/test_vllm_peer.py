@@ -17,7 +17,8 @@ import torch
 from eaglex import vllm_env as E
 from eaglex import vllm_peer as V
 from eaglex.base.errors import ModelError
-from eaglex.presets import REPO_ROOT
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 FAKE = Path(__file__).with_name("fake_vllm_worker.py")
 VENV_PYTHON = REPO_ROOT / "build" / "vllm-venv" / "bin" / "python"

@@ -33,14 +33,14 @@ import torch
 from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 from eaglex.base.fsio import write_text
-from eaglex.training import corpus, data, loop, tokenizer
+from eaglex.training import corpus, loop, tokenizer, tokens
 from eaglex.training.draft_lm import DraftLMConfig, save_draft_lm, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
 from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig, digest
 from eaglex.training.report import DEFAULT_SHAPE, SHAPES, TauRow, format_table, tau_table, vanilla_outputs
 from eaglex.training.selfdistill import SelfDistillConfig, SelfDistillData, generate
-from eaglex.training.target import TargetConfig, eval_loss, save_target, train_target
+from eaglex.training.tiny_target import TargetConfig, eval_loss, save_target, train_target
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ def stage_tokenizer(p: Paths, cfg: TinyConfig) -> dict:
     if not cached(p.work / "tokenizer.json", key):
         tokenizer.save_tokenizer(tokenizer.train_tokenizer([f.text for f in train_files], cfg.tokenizer), tok_dir)
         raw, eos = _tokenizer(p)
-        torch.save({"train": data.encode_files(train_files, raw, eos),
-                    "heldout": data.encode_files(heldout_files, raw, eos)}, p.work / "streams.pt")
+        torch.save({"train": tokens.encode_files(train_files, raw, eos),
+                    "heldout": tokens.encode_files(heldout_files, raw, eos)}, p.work / "streams.pt")
         write_key(p.work / "tokenizer.json", key)
     streams = torch.load(p.work / "streams.pt", weights_only=True)
     return {"train_files": len(train_files), "heldout_files": len(heldout_files), **key,
@@ -135,7 +135,7 @@ def stage_selfdistill(p: Paths, cfg: TinyConfig, shard: int, shards: int = 2) ->
     key_file, data_file = p.work / f"selfdistill{shard}.json", p.work / f"selfdistill{shard}.pt"
     if not cached(key_file, key):
         torch.set_num_threads(1)
-        prompts = data.line_start_prompts(corpus.load(cfg.corpus, "train"), raw, cfg.train_prompts,
+        prompts = tokens.line_start_prompts(corpus.load(cfg.corpus, "train"), raw, cfg.train_prompts,
                                           cfg.prompt_tokens, torch.Generator().manual_seed(cfg.seed))
         sd_cfg = replace(cfg.selfdistill, seed=cfg.selfdistill.seed + shard)
         generate(target.hf, prompts[shard::shards], sd_cfg).save(data_file)
@@ -246,9 +246,9 @@ def _target_digest(target_dir: Path) -> str:
 def stage_prompts(p: Paths, cfg: TinyConfig) -> None:
     """Held-out prompts (files never trained on), cut at line starts: models/tiny/prompts.jsonl."""
     raw, _ = _tokenizer(p)
-    prompts = data.line_start_prompts(corpus.load(cfg.corpus, "heldout"), raw, cfg.eval_prompts, cfg.prompt_tokens,
+    prompts = tokens.line_start_prompts(corpus.load(cfg.corpus, "heldout"), raw, cfg.eval_prompts, cfg.prompt_tokens,
                                       torch.Generator().manual_seed(cfg.seed + 1))
-    data.write_jsonl_prompts(p.out / "prompts.jsonl", prompts, raw)
+    tokens.write_jsonl_prompts(p.out / "prompts.jsonl", prompts, raw)
 
 
 def _side_lane_init() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .data import sample_windows
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
 from .selfdistill import SelfDistillData
-from .target import save_target
+from .tiny_target import save_target
+from .tokens import sample_windows
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .data import sample_windows
 from .loop import OptimConfig, digest, seed_everything, step_generator, train
+from .tokens import sample_windows
 
 
 @dataclass(frozen=True)
