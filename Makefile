@@ -137,7 +137,7 @@ bench_tiny_quant = $(BIN)/python -c "from eaglex.runtime.manifest import read_ma
 	$(if $(filter fp8,$(1)),--calibrated $(BENCH_TINY_CAL)) && $(BIN)/eaglex tune --engine engines/tiny-$(1) \
 	--prompts models/tiny/prompts.jsonl --num-prompts $(BENCH_TINY_PROMPTS); }
 # A memory-bound target: a seeded 0.5B Llama (H=1536, 16 layers, GQA 24/6, V=32000, fp32 2 GB) and an
-# EAGLE-3 head (Vd=8000) that agrees with it at a known rate (tools/bench_models.py), built once into
+# EAGLE-3 head (Vd=8000) that agrees with it at a known rate (eaglex/bench_models.py), built once into
 # $(BENCH_BIG)/ and $(BENCH_BIG_ENGINE)/ (delete them, or run the script with --force, to rebuild).
 BENCH_BIG        ?= build/bench-big
 BENCH_BIG_ENGINE ?= engines/bench-big
@@ -161,7 +161,7 @@ bench-tiny: $(STAMP)  ## the embedded tiny default with its quantized engines an
 	else echo "make bench: models/tiny is absent (run make tiny): skipping the embedded default"; fi
 
 bench-big: $(STAMP)  ## the seeded memory-bound 0.5B target ($(BENCH_BIG_OUT))
-	$(BIN)/python tools/bench_models.py $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
+	$(BIN)/python -m eaglex.bench_models $(BENCH_BIG) --engine $(BENCH_BIG_ENGINE)
 	$(BIN)/eaglex tune --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl
 	$(BIN)/eaglex bench --engine $(BENCH_BIG_ENGINE) --prompts $(BENCH_BIG)/prompts.jsonl --trees $(BENCH_BIG_TREES) \
 		$(BENCH_BIG_ARGS) --out $(BENCH_BIG_OUT) --plot $(BENCH_BIG_OUT:.json=.png)
@@ -171,11 +171,11 @@ clean:           ## remove build outputs (keeps .venv)
 
 .PHONY: smollm2
 smollm2: $(STAMP)  ## retrain models/smollm2-135m: EAGLE-3 + EAGLE-1/2 heads self-distilled from SmolLM2-135M-Instruct (~90 min on 2 idle cores, resumable; DEVICE=cuda: the committed heads' GPU recipe, ~8 min on an H200)
-	$(BIN)/python tools/smollm2.py --out build/smollm2$(if $(DEVICE),-gpu --device $(DEVICE) --preset gpu) --publish models/smollm2-135m
+	$(BIN)/python -m eaglex.recipe_smollm2 --out build/smollm2$(if $(DEVICE),-gpu --device $(DEVICE) --preset gpu) --publish models/smollm2-135m
 
 .PHONY: tiny
 tiny: $(STAMP)   ## retrain models/tiny (tokenizer, target, EAGLE-3 + EAGLE-1/2 heads, draft LM) from the stdlib, seeded
-	$(BIN)/python tools/train_tiny.py --out models/tiny --work build/tiny
+	$(BIN)/python -m eaglex.recipe_tiny --out models/tiny --work build/tiny
 
 # --- Serving (docs/triton.md): `eaglex serve` on 127.0.0.1, the OpenAI API and Triton's; TRITON_DIR holds the deployment ---
 ENGINE        ?= engines/$(MODEL)
@@ -208,7 +208,7 @@ serve-stop:      ## stop the server that `make serve` started (and say what happ
 serve-status:    ## is the server that `make serve` started ready? (restarts, reloads, ports)
 	@$(BIN)/eaglex serve status --dir $(TRITON_DIR)
 
-# Load benchmark of the deployment (tools/bench_serve.py): vanilla batched, EAGLE batched and one request at a time,
+# Load benchmark of the deployment (eaglex/bench_serve.py): vanilla batched, EAGLE batched and one request at a time,
 # closed-loop clients on loopback at each concurrency, a fixed request count per row; its own servers on free ports.
 # Each row is measured by our client (Triton's generate API) and by NVIDIA's AIPerf (the OpenAI API), installed
 # once in $(AIPERF_VENV): its dependencies clash with ours. BENCH_SERVE_AIPERF= leaves AIPerf out. Last, the chaos
@@ -226,6 +226,6 @@ $(AIPERF_VENV)/bin/aiperf:
 	$(AIPERF_VENV)/bin/pip install -q $(AIPERF)
 
 bench-serve: serve-check-engine $(STAMP) $(if $(BENCH_SERVE_AIPERF),$(AIPERF_VENV)/bin/aiperf)  ## load benchmark of the deployment, our client and AIPerf: build/bench_serve.json + .png
-	$(BIN)/python tools/bench_serve.py --engine $(ENGINE) --concurrency $(BENCH_SERVE_CONCURRENCY) \
+	$(BIN)/python -m eaglex.bench_serve --engine $(ENGINE) --concurrency $(BENCH_SERVE_CONCURRENCY) \
 		$(if $(BENCH_SERVE_AIPERF),--aiperf $(AIPERF_VENV)/bin/aiperf $(if $(BENCH_SERVE_CHAOS),--chaos)) \
 		--out build/bench_serve.json --plot build/bench_serve.png $(BENCH_SERVE_ARGS)

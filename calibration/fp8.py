@@ -1,5 +1,7 @@
 """`eaglex calibrate`: FP8 post-training quantization of a target with NVIDIA ModelOpt, on CPU or GPU(s).
 
+One module of ~550 lines on purpose: each ModelOpt fact listed below is handled beside the one call that needs it.
+
     target folder --(ModelOpt mtq.quantize, FP8_DEFAULT_CFG [+ FP8_KV_CFG], max calibration over real text)-->
     ModelOpt's unified Hugging Face checkpoint (export_hf_checkpoint, in bfloat16 unless asked otherwise)
     + tokenizer + eaglex_calibration.json

@@ -1,5 +1,8 @@
 """`eaglex build --backend tensorrt-llm`: a bundle that TensorRT-LLM's LLM API (PyTorch backend) serves with EAGLE-3.
 
+One module of ~700 lines on purpose: the bundle's layout, the checks made on it and the serving configuration must
+agree field by field, so they are written side by side.
+
 TensorRT-LLM runs EAGLE-3 only on its PyTorch backend (its TensorRT-engine path knows EAGLE-1/2 alone and was
 removed upstream), so the bundle holds no compiled engine: the GPU machine builds its kernels at load. What the
 bundle fixes is everything that must be right for that load to be lossless and fast:

@@ -2,6 +2,9 @@
 tests' models, and the stand-in preset `make engine MODEL=tiny` builds without the trained default
 (tools/seeded_preset.py).
 
+One module of ~600 lines on purpose: every seeded builder the tests name lives in one file, each independent of the
+others, so a test's model is found in one place.
+
 Nothing here trains or downloads anything. Every builder takes a seed, uses its own ``torch.Generator`` (the global
 RNG is left as it was) and writes float32 weights; the same arguments give byte-identical tensors.
 

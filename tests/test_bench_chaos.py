@@ -1,17 +1,11 @@
-"""The chaos phase's verdicts (tools/bench_serve.py --chaos), table-driven, no server: how one of our client's
+"""The chaos phase's verdicts (eaglex/bench_serve.py --chaos), table-driven, no server: how one of our client's
 requests ended under a kill, and what AIPerf's per-request export says. The kills themselves run in
 tests/test_openai.py and tests/test_triton_robust.py; the phase under AIPerf load runs in `make bench-serve`."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).resolve().parents[1] / "tools" /
-                                               "bench_serve.py")
-bench_serve = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_serve)
+from eaglex import bench_serve
 
 WANT = [5, 6, 7]
 

@@ -191,7 +191,7 @@ def test_onnxruntime_cuda_provider(models, cases_prompts, tmp_path):
 
 
 def test_head_trainers_run_on_the_device(models, tmp_path):
-    """Self-distillation, both trainers and the τ report on DEVICE (tools/smollm2.py --device cuda, eaglex
+    """Self-distillation, both trainers and the τ report on DEVICE (eaglex/recipe_smollm2.py --device cuda, eaglex
     train-draft --device): the head trains where the target is, learns, and its saved file decodes losslessly."""
     from dataclasses import replace as dc_replace
 

@@ -1,16 +1,10 @@
-"""The batched self-distillation generator (training/batchgen.py, as tools/smollm2.py uses it): left padding
+"""The batched self-distillation generator (training/batchgen.py, as eaglex/recipe_smollm2.py uses it): left padding
 changes no answer, the preallocated cache changes nothing at all, sampling is seeded, and the batches cover every
 prompt."""
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import smollm2  # noqa: E402
-
-from eaglex.training.batchgen import answer_batch  # noqa: E402
+from eaglex import recipe_smollm2 as smollm2
+from eaglex.training.batchgen import answer_batch
 
 
 def _model(folder):

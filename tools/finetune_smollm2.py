@@ -4,7 +4,7 @@
                                      [--builtin 128] [--steps 300] [--lr 4e-4]
 
 The committed head was trained on a GPU on the target's answers to the built-in template instructions only; a CPU
-cannot afford that recipe from scratch, but it can continue it. The data stages are tools/smollm2.py's, cached and
+cannot afford that recipe from scratch, but it can continue it. The data stages are eaglex/recipe_smollm2.py's, cached and
 resumable under OUT/work/ (target, prompts, instructions, selfdistill): `--self-instruct` instructions the target
 writes (a quarter of them continued into a follow-up turn; none near a held-out prompt of either file), mixed with
 the first `--builtin` built-in training instructions so the template split is not forgotten, each answered greedily
@@ -24,11 +24,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from smollm2 import PRESETS, Paths, build  # noqa: E402 - tools/smollm2.py, beside this script
 
 from eaglex.base import chat_prompts, honest_prompts
 from eaglex.base.fsio import write_text
 from eaglex.presets import preset_target_file
+from eaglex.recipe_smollm2 import PRESETS, Paths, build
 from eaglex.training.eagle3 import save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig
 from eaglex.training.selfdistill import SelfDistillData
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_safetensors(src: Path, dest: Path) -> None:
-    """The head as models/smollm2-135m keeps it (tools/smollm2.py's publish): the same tensors (float16 weights,
+    """The head as models/smollm2-135m keeps it (eaglex/recipe_smollm2.py's publish): the same tensors (float16 weights,
     d2t, t2d) in model.safetensors, and config.json."""
     from safetensors.torch import save_file
 

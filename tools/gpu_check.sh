@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: install eaglex (no dependencies) into this machine's Python, then run tools/gpu_check.py:
+# The prepared GPU check: install eaglex (no dependencies) into this machine's Python, then run eaglex/gpu_check.py:
 # the equivalence suite on the device in fp32, an 8B-shaped bf16 bench at batch 1 against transformers, vanilla vs
 # EAGLE-3 in-flight batching at 1, 4 and 16 requests, the bf16 check with logit margins, and an attention
 # micro-benchmark. Results go to $OUT (default ./build/gpu_check):
@@ -38,7 +38,7 @@ if [ "$INSTALL" = 1 ]; then
   echo "gpu_check: installed eaglex into $WORK/site in $(( $(date +%s) - t )) s"
 fi
 cd "$WORK"    # not the repository root: its eaglex/ folder would shadow the installed package
-"$PY" "$REPO/tools/gpu_check.py" --out "$OUT" --work "$WORK" ${ARGS[@]+"${ARGS[@]}"}
+"$PY" -m eaglex.gpu_check --repo "$REPO" --out "$OUT" --work "$WORK" ${ARGS[@]+"${ARGS[@]}"}
 rc=$?
 echo "gpu_check: exit $rc; results in $OUT"
 exit $rc

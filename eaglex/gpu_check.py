@@ -1,13 +1,16 @@
 """The prepared GPU check (run by tools/gpu_check.sh): correctness and speed of the PyTorch backend on one GPU,
 written to OUT as results.json (everything) and report.txt (the tables).
 
+One module of ~750 lines on purpose: it is shipped to a lent machine and run once, within a fixed device budget, so
+every phase lives beside the Budget and the report it writes into; nothing else imports it.
+
 Phases, in order, each recorded with its status and time (a failing phase is reported and the next one runs):
 - env: versions, the device, ONNX Runtime's providers;
 - equivalence: tests/test_gpu.py through pytest on the device: transformers greedy == eaglex vanilla ==
   speculative in fp32 for every case of the equivalence suite (CUDA graphs and eager), graphs replayed, host
   synchronisations per cycle, bf16 margins, ONNX Runtime's CUDA provider where installed;
 - models: a seeded Llama-shaped target built on the device (Llama-3.1-8B's shape in bf16 on a GPU, a small one with
-  --quick) with an EAGLE-3 head that agrees with it at a known rate, tools/bench_models.py's construction; the
+  --quick) with an EAGLE-3 head that agrees with it at a known rate, eaglex/bench_models.py's construction; the
   target's attention scale is calibrated so that it follows the head's token map at rate ALPHA (tau ~ 4);
 - bench: batch 1, interleaved per prompt: eaglex vanilla and EAGLE-3 at the tuned tree and fixed trees (CUDA graphs;
   the tuned tree eagerly too), transformers greedy, prompt lookup and assisted generation (a one-layer assistant that
@@ -22,7 +25,7 @@ Phases, in order, each recorded with its status and time (a failing phase is rep
 - attention: one layer's tree attention at the target's shape: SDPA (each backend), SDPA with the KV heads
   expanded, and FlexAttention with a block mask (GPU only), to choose the fused call.
 
-    python tools/gpu_check.py --out DIR [--device auto|cpu|cuda:N] [--quick] [--budget SECONDS] [--phases a,b]
+    python -m eaglex.gpu_check --out DIR --repo REPO [--device auto|cpu|cuda:N] [--quick] [--budget SECONDS] [--phases a,b]
 """
 from __future__ import annotations
 
@@ -40,8 +43,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+from eaglex.presets import DATA
 
 PHASES = ("env", "equivalence", "models", "bench", "batched", "check", "attention")
 SHAPES = {   # the target; the head gets the target's width, intermediate size and attention shape, like a real one
@@ -86,7 +88,7 @@ def token_map(seed: int, vocab: int, frequent: int) -> tuple[torch.Tensor, torch
 
 
 def target_weights(s: dict, k: dict, seed: int, device, dtype) -> tuple[dict, int, torch.Tensor, torch.Tensor]:
-    """tools/bench_models.target_state_dict's construction, drawn on `device` (an 8B target in seconds):
+    """eaglex/bench_models.target_state_dict's construction, drawn on `device` (an 8B target in seconds):
     (state dict in `dtype`, eos id, S, next)."""
     V, H, L, I = s["vocab"], s["hidden"], s["layers"], s["intermediate"]
     nh, nkv, hd = s["heads"], s["kv_heads"], s["head_dim"]
@@ -185,8 +187,8 @@ def calibrate(model, sd: dict, nxt, S, seed: int, target: float = ALPHA, steps: 
 
 @torch.no_grad()
 def head_weights(model, s: dict, S: torch.Tensor, seed: int, device, dtype) -> tuple[dict, dict]:
-    """tools/bench_models.head_state_dict's EAGLE-3 head, drawn on `device`: (state dict, config)."""
-    from bench_models import BIG_HEAD_SPEC as hs
+    """eaglex/bench_models.head_state_dict's EAGLE-3 head, drawn on `device`: (state dict, config)."""
+    from eaglex.bench_models import BIG_HEAD_SPEC as hs
     H, V, L, I = s["hidden"], s["vocab"], s["layers"], s["intermediate"]
     nh, nkv, hd = s["heads"], s["kv_heads"], s["head_dim"]
     G, R = nh // nkv, nkv * hd
@@ -339,8 +341,8 @@ class Check:
     def phase_equivalence(self):
         xml = self.out / "pytest.xml"
         env = {**os.environ, "EAGLEX_TEST_DEVICE": str(self.device), "EAGLEX_TEST_QUICK": "1" if self.quick else "0"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(REPO / "tests/test_gpu.py"),
-               "-c", str(REPO / "pyproject.toml"), "--rootdir", str(REPO), f"--junitxml={xml}"]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(self.args.repo / "tests/test_gpu.py"),
+               "-c", str(self.args.repo / "pyproject.toml"), "--rootdir", str(self.args.repo), f"--junitxml={xml}"]
         timeout = max(60, min(self.args.equivalence_timeout, self.budget.left() - 150))
         try:
             proc = subprocess.run(cmd, env=env, cwd=self.out, capture_output=True, text=True, timeout=timeout)
@@ -373,8 +375,7 @@ class Check:
 
     # ---- models
     def phase_models(self):
-        from bench_models import _write_folder
-
+        from eaglex.bench_models import _write_folder
         from eaglex.models.target import DTYPES, target_from_model
         from eaglex.runtime.torch_backend import TorchBackend
 
@@ -609,10 +610,10 @@ class Check:
         divergences = [{"prompt": r.index, "at": r.divergence, "margin": r.margin} for r in rows if not r.identical]
         # the committed tiny model through the CLI, as a user runs it
         prompts = Path(self.args.work) / "tiny-prompts.jsonl"
-        lines = (REPO / "models/tiny/prompts.jsonl").read_text().splitlines()
+        lines = (DATA / "tiny/prompts.jsonl").read_text().splitlines()
         prompts.write_text("\n".join(lines[: 3 if self.quick else 16]) + "\n")
-        cmd = [sys.executable, "-m", "eaglex.cli", "check", "--target", str(REPO / "models/tiny/target"), "--draft",
-               str(REPO / "models/tiny/eagle3"), "--dtype", "bfloat16", "--device", str(self.device), "--prompts",
+        cmd = [sys.executable, "-m", "eaglex.cli", "check", "--target", str(DATA / "tiny/target"), "--draft",
+               str(DATA / "tiny/eagle3"), "--dtype", "bfloat16", "--device", str(self.device), "--prompts",
                str(prompts), "--max-new-tokens", "32" if self.quick else "64", *threads]
         proc = subprocess.run(cmd, cwd=self.args.work, capture_output=True, text=True, timeout=300)
         tiny = proc.stdout + (proc.stderr if proc.returncode not in (0, 1) else "")
@@ -715,8 +716,9 @@ def _capture(fn, *args) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "build/gpu_check"))
+    ap = argparse.ArgumentParser(prog="python -m eaglex.gpu_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "build/gpu_check"))
+    ap.add_argument("--repo", type=Path, default=Path.cwd(), help="the checkout whose tests/test_gpu.py runs (default: .)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: OUT/../gpu_check_work)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="small models and few prompts (the CPU dry run)")

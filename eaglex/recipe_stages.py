@@ -1,4 +1,4 @@
-"""Resumable stages for the build scripts (train_tiny.py, smollm2.py): every stage caches its output under a key
+"""Resumable stages for the build scripts (recipe_tiny.py, recipe_smollm2.py): every stage caches its output under a key
 file holding everything it depends on, written last and atomically, so an interrupted stage reruns and a finished
 one is skipped."""
 from __future__ import annotations

@@ -45,9 +45,12 @@ AIPerf exited, our client's outcomes, the recovery seconds and the supervisor's 
 table is printed, and a hang, a wrong or unclean answer, a recovery over 30 s or an AIPerf that does not exit makes
 the exit status 1.
 
-    python tools/bench_serve.py --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
+    python -m eaglex.bench_serve --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
         [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
         [--plot build/bench_serve.png] [--aiperf build/aiperf-venv/bin/aiperf [--chaos | --chaos-only]]
+
+One module of ~780 lines on purpose: the deployments it starts, the AIPerf driver and the chaos phase share one
+run's processes and one table; nothing imports it but its test.
 """
 from __future__ import annotations
 
@@ -506,7 +509,7 @@ def chaos_markdown(runs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eaglex.bench_serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, default=Path("engines/tiny"))
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
     ap.add_argument("--requests", default="2x",

@@ -1,6 +1,6 @@
 """`make tiny`: rebuild the embedded default models/tiny/ from the running interpreter's standard library.
 
-    python tools/train_tiny.py [--out models/tiny] [--work build/tiny]
+    python -m eaglex.recipe_tiny [--out models/tiny] [--work build/tiny]
 
 The target trains on both cores (two threads), then two lanes of one thread each use both cores. Every stage has
 a fixed thread count, so the build is deterministic (a CPU kernel's result can depend on the thread count, never
@@ -30,13 +30,13 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from stages import cached, fresh, timed, write_key  # noqa: E402 - tools/stages.py, beside this script
 
 from eaglex.base.fsio import write_text
+from eaglex.recipe_stages import cached, fresh, timed, write_key
 from eaglex.training import corpus, loop, tokenizer, tokens
 from eaglex.training.draft_lm import DraftLMConfig, save_draft_lm, train_draft_lm
 from eaglex.training.eagle1 import Eagle1Config, save_eagle1, train_eagle1
-from eaglex.training.eagle3 import Eagle3Config, save_eagle3, train_eagle3
+from eaglex.training.eagle3 import Eagle3Config, prepare_teacher, save_eagle3, train_eagle3
 from eaglex.training.loop import OptimConfig, digest
 from eaglex.training.report import DEFAULT_SHAPE, SHAPES, TauRow, format_table, tau_table, vanilla_outputs
 from eaglex.training.selfdistill import SelfDistillConfig, SelfDistillData, generate
@@ -159,7 +159,6 @@ def stage_teacher3(p: Paths, cfg: TinyConfig, half: int) -> None:
     """Half the EAGLE-3 teacher cache (heads.teacher_outputs): both lanes compute one half, and the EAGLE-3 stage
     reads them instead of spending a minute of the critical path on the whole."""
     from eaglex.models.target import load_target
-    from eaglex.training.eagle3 import prepare_teacher
     from eaglex.training.heads import teacher_outputs
 
     sd = SelfDistillData.load(p.work / "selfdistill.pt")
@@ -388,7 +387,7 @@ def _sample(target_dir: Path, prompt: list[int], n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python tools/train_tiny.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m eaglex.recipe_tiny", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny"))
     ap.add_argument("--work", type=Path, default=Path("build/tiny"), help="checkpoints and cached stage outputs")
     args = ap.parse_args(argv)

@@ -28,7 +28,7 @@ Building writes 2.0 GB (target, 494.7M parameters) + 0.2 GB (head) of float32 sa
 (alpha probe included), the engine in about 40 s more (peak RSS 4.4 GB). Nothing is trained or downloaded; the
 same seed gives byte-identical tensors.
 
-Command line (used by `make bench`):  python tools/bench_models.py OUT_DIR [--engine ENGINE_DIR] [--force]
+Command line (used by `make bench`):  python -m eaglex.bench_models OUT_DIR [--engine ENGINE_DIR] [--force]
 writes OUT_DIR/target, OUT_DIR/eagle3, OUT_DIR/prompts.jsonl, OUT_DIR/agreement.json and builds the ONNX Runtime
 engine ENGINE_DIR; every step is skipped when its output exists (a stamp file marks a finished step).
 """
@@ -317,7 +317,7 @@ def build_all(out: Path, engine: Path | None, seed: int = 0, force: bool = False
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m eaglex.bench_models", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--engine", type=Path)
     ap.add_argument("--seed", type=int, default=0)
