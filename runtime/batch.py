@@ -12,15 +12,17 @@ a `Schedule` from the number of active requests (so that speculation is turned d
   all of them (verify.verify_rows), and each request commits its own accepted path into its slot and emits it.
   The trees of one step have one size (the forward's [B, N] rows): a cost tree's size is chosen per step for all
   its requests together (drafter.Drafter._cost_nodes).
-A request whose tree would run past the context (or past a quantized engine's exact bound) decodes its last tokens
-one at a time, as vanilla decoding does; a cost tree first shrinks to the room left.
+A request whose tree would run past the model's positions or its slot's rows (or past a quantized engine's exact
+bound) decodes its last tokens one at a time, as vanilla decoding does; a cost tree first shrinks to the room left.
 
 The draft's context catches up lazily: a joining request's prompt is read as part of its prefill, and what a
 request accepted is read at the start of its next tree step (rows that fell behind by more than one cycle, e.g.
 after vanilla steps, alone; the others in one forward, left-padded to the longest, so each row's last real row is
 the forward's last row).
 
-Prefill stays out of the batched forwards: a joining request's prompt runs alone on its slot.
+Requests that join together prefill together: their prompts run in one target forward (and one draft forward),
+left-padded to the longest in groups whose padding and keys stay bounded (prefill_groups), so that a batch of
+arrivals costs a few forwards, not one per request, and the KV buffers widen once. A long prompt still runs alone.
 
 Exactness: a request's greedy tokens are the target's argmax given its own context, whatever else is in the
 batch; a sampled request's token at output position t is the target's draw there under its seed (sampling.draw),
@@ -47,6 +49,45 @@ from .request import Clock, Request, start_request
 from .sampling import argmax, draw, logits_to_probs
 from .types import DraftTip, SamplingConfig, TreeConfig
 from .verify import verify_rows
+
+PREFILL_KEYS = 1024    # the longest prompt a grouped prefill takes: within the one key block in which the engines'
+                       # attention rows are bit-identical to the same row alone (export/row_attention.py)
+PREFILL_ROWS = 4096    # rows (padding included) per grouped prefill forward: bounds its activations
+PREFILL_SLACK = 1.25   # padded rows per real row a group may cost
+
+
+def prefill_groups(lengths: list[int], max_keys: int = PREFILL_KEYS, max_rows: int = PREFILL_ROWS,
+                   slack: float = PREFILL_SLACK) -> list[list[int]]:
+    """Indices of prompts of `lengths`, longest first, in the groups that prefill together: a group grows while its
+    longest prompt fits `max_keys`, its padded rows `max_rows` and `slack` times its real rows."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        g = groups[-1] if groups else None
+        if g and lengths[g[0]] <= max_keys and (len(g) + 1) * lengths[g[0]] <= min(max_rows, slack * (real + n)):
+            g.append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
+
+
+def left_pad(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows of `lengths` tokens in one forward of M = max(lengths) columns, each row's tokens in its last columns (so
+    every row ends at the forward's last row) -> (padding per row [B], each column's offset within its row [B, M] (0
+    on padding), the mask [B, M, M]: a real column sees its row's real columns up to itself, a padding column only
+    itself (rows must see something; nothing sees them and they are never committed); None when no row is padded)."""
+    M = max(lengths)
+    pad = torch.tensor([M - n for n in lengths])
+    col = torch.arange(M)
+    offsets = (col - pad[:, None]).clamp(min=0)
+    if not pad.any():
+        return pad, offsets, None
+    mask = ((col[None, None, :] <= col[None, :, None]) & (col[None, None, :] >= pad[:, None, None])) \
+        | torch.eye(M, dtype=torch.bool)
+    return pad, offsets, mask
 
 
 @dataclass(frozen=True)
@@ -144,6 +185,10 @@ class BatchedGenerator:
         # the draft rows its levels write past it.
         ctx = self.spec.max_context
         backend.reset(ctx + nodes, ctx + max(nodes, self.schedule.draft_rows))
+        # Where trees stop: a request never holds more than `ctx` tokens, so its tree's rows may run past that into
+        # the rows each slot keeps beyond it (what they draft past its end is never emitted), but never past the
+        # positions the model has. A server or batch sized below the model's context thus drafts to its last token.
+        self.room = min((backend.source or backend).spec.max_context, ctx + nodes)
         self.clock = Clock(getattr(backend, "device", None))
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []           # active[i] owns slot i
@@ -208,38 +253,53 @@ class BatchedGenerator:
         return finished
 
     def _limit(self, tree: TreeConfig) -> int:
-        """Where trees stop: the context, or for row-independent quantized engines the keys a call may see while
-        staying exact (past that, only chains, whose rows sit where vanilla decoding puts them, keep drafting)."""
+        """Where trees stop: `room`, or for row-independent quantized engines the keys a call may see while staying
+        exact (past that, only chains, whose rows sit where vanilla decoding puts them, keep drafting)."""
         keys = getattr(self.backend, "exact_keys", None)
-        return min(self.spec.max_context, keys) if keys and tree.kind != "chain" else self.spec.max_context
+        return min(self.room, keys) if keys and tree.kind != "chain" else self.room
 
     def _admit(self) -> list[Request]:
+        """Queued requests into the free slots, prefilled together (prefill_groups); -> those already finished."""
         finished = []
-        while self.queue and len(self.active) < self.backend.slots:
-            req = self.queue.popleft()
-            slot = len(self.active)
-            if req.emitter.done:                    # max_new_tokens 0 or no room: finished before it started
-                finished.append(self._finish(req))
-                continue
-            req.admitted = time.perf_counter()
-            ids = torch.tensor([req.input_ids])
-            n = ids.shape[1]
-            rows = slice(slot, slot + 1)
-            logits, feats = self.clock.run("target", [req], self.backend.target_forward, rows, ids,
-                                           torch.arange(n).unsqueeze(0), None, True)
-            self.backend.target_commit(slot, torch.arange(n))
-            req.length = n
-            self._emit(req, [self._pick(req, logits[0, -1])])
-            if not req.done and self.drafters:      # the draft reads the prompt as part of the prefill
-                req.behind_feats, req.behind_ids = [feats[0]], req.input_ids[1:] + [req.root]
-                self._extend(rows, [req])
-            self.clock.end_prefill(req)
-            if req.done:
-                self.backend.clear(slot)
-                finished.append(self._finish(req))
-                continue
-            self.active.append(req)
+        keys = min(getattr(self.backend, "exact_keys", None) or PREFILL_KEYS, PREFILL_KEYS)
+        while self.queue and len(self.active) < self.backend.slots:    # again when some finish at their prefill
+            joining = []
+            while self.queue and len(self.active) + len(joining) < self.backend.slots:
+                req = self.queue.popleft()
+                if req.emitter.done:                # max_new_tokens 0 or no room: finished before it started
+                    finished.append(self._finish(req))
+                    continue
+                req.admitted = time.perf_counter()
+                joining.append(req)
+            for group in prefill_groups([len(r.input_ids) for r in joining], keys):
+                self._prefill([joining[i] for i in group])
+            finished += self._retire()
         return finished
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """One target forward over the prompts of `reqs` in the slots after the active ones (left-padded: every
+        prompt's last token in the forward's last row, each at its own positions), the first token of each, and the
+        draft's read of the prompts in one forward."""
+        first = len(self.active)
+        rows = slice(first, first + len(reqs))
+        pad, pos, mask = left_pad([len(r.input_ids) for r in reqs])
+        M = pos.shape[1]
+        ids = torch.zeros(len(reqs), M, dtype=torch.long)
+        for j, r in enumerate(reqs):
+            ids[j, int(pad[j]):] = torch.tensor(r.input_ids)
+        logits, feats = self.clock.run("target", reqs, self.backend.target_forward, rows, ids, pos, mask, True)
+        for j, r in enumerate(reqs):
+            p = int(pad[j])
+            self.backend.target_commit(first + j, torch.arange(p, M))
+            r.length = M - p
+            self._emit(r, [self._pick(r, logits[j, -1])])
+            if not r.done and self.drafters:        # the draft reads the prompt as part of the prefill
+                r.behind_feats, r.behind_ids = [feats[j, p:]], r.input_ids[1:] + [r.root]
+        self.active += reqs
+        if any(r.behind_feats for r in reqs):
+            self._extend(rows, reqs)
+        for r in reqs:
+            self.clock.end_prefill(r)
 
     def _vanilla(self, rows: slice) -> None:
         """One token for every request of `rows`."""
@@ -309,23 +369,19 @@ class BatchedGenerator:
         feats = [torch.cat(r.behind_feats) if r.behind_feats else None for r in reqs]
         lens = [0 if f is None else f.shape[0] for f in feats]
         M = max(lens)
+        _, offsets, mask = left_pad(lens)
+        pos = torch.tensor([r.drafted for r in reqs])[:, None] + offsets
         ids = torch.zeros(len(reqs), M, dtype=torch.long)
-        start = torch.tensor([r.drafted for r in reqs])[:, None]
-        if min(lens) == M:                          # nothing to pad (a lone request always): the plain causal forward
-            hidden, mask, pos = torch.stack(feats), None, start + torch.arange(M)
+        if mask is None:                            # nothing to pad (a lone request always): the plain causal forward
+            hidden = torch.stack(feats)
             for j, r in enumerate(reqs):
                 ids[j] = torch.tensor(r.behind_ids)
         else:
             some = feats[lens.index(M)]
             hidden = some.new_zeros(len(reqs), M, some.shape[1])
-            pad = torch.tensor([M - n for n in lens])
             for j, (r, f, n) in enumerate(zip(reqs, feats, lens)):
                 if n:
                     hidden[j, M - n:], ids[j, M - n:] = f, torch.tensor(r.behind_ids)
-            col = torch.arange(M)
-            pos = start + (col - pad[:, None]).clamp(min=0)
-            mask = ((col[None, None, :] <= col[None, :, None]) & (col[None, None, :] >= pad[:, None, None])) \
-                | torch.eye(M, dtype=torch.bool)
         h, logp, top = self.clock.run("draft", reqs, self.backend.draft_forward, rows, hidden, ids, pos, mask, True,
                                       self.top_k, True)
         for j, (r, n) in enumerate(zip(reqs, lens)):

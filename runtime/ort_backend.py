@@ -52,6 +52,15 @@ def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
     return ids, pos, mask
 
 
+def _dummy_rows(attn: np.ndarray, extra: int) -> np.ndarray:
+    """The attention mask [B,1,N,P+N] with `extra` rows after the caller's, for empty slots: each of their rows sees
+    its own new row alone (a row must see something; nothing sees them, and they are rolled back)."""
+    B, _, N, width = attn.shape
+    pad = np.zeros((extra, 1, N, width), dtype=bool)
+    pad[:, 0, :, width - N:] = np.eye(N, dtype=bool)
+    return np.concatenate([attn, pad])
+
+
 class OrtBackend(SlotBackend):
     device = torch.device("cpu")            # where the tensors it returns live
 
@@ -137,30 +146,43 @@ class OrtBackend(SlotBackend):
     # ------------------------------------------------------------------------------------------ Backend protocol
 
     def _run(self, sess, io, cache: SlotRows, rows: slice, input_ids, position_ids, mask, last_only, n_out: int,
-             n: int | None = None):
-        """Bind ids, positions, the mask, the logits rows (the last of the first `n` rows, or all of them; default
-        every row) and the KV rows of slots `rows`, run, place the new rows -> the first `n_out` outputs (bound
-        before the call) as arrays."""
+             n: int | None = None, hidden: np.ndarray | None = None):
+        """Bind ids, positions, `hidden` (the draft's), the mask, the logits rows (the last of the first `n` rows, or
+        all of them; default every row) and the KV rows of slots `rows`, run, place the new rows -> the first `n_out`
+        outputs (bound before the call) as arrays."""
         B, N = input_ids.shape
         own = cache.own(rows)
         P = max(own)
         if P + N > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {P + N} rows > capacity {cache.capacity}")
-        if cache.fit(rows):
-            view = cache.kv
-        else:
+        dummies = cache.fit(rows)
+        if dummies is None:
             view = cache._empty(P + N, B)
             view[:, :P] = cache.kv[:, :P, rows]
+        else:
+            view = cache.kv
+        attn = cache.mask(rows, own, P, N, mask)
+        if dummies:                         # empty slots after `rows`, run in place with them: token 0 at position 0
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(dummies, N)])
+            position_ids = torch.cat([position_ids, position_ids.new_zeros(dummies, N)])
+            attn = _dummy_rows(attn, dummies)
+            if hidden is not None:
+                hidden = np.concatenate([hidden, np.zeros((dummies, *hidden.shape[1:]), hidden.dtype)])
+            rows, own = slice(rows.start, rows.stop + dummies), own + [0] * dummies
         feeds = {"input_ids": input_ids.numpy().astype(np.int64), "position_ids": position_ids.numpy().astype(np.int64),
-                 "attn_mask": cache.mask(rows, own, P, N, mask),
+                 "attn_mask": attn,
                  "logits_rows": np.array([(n or N) - 1] if last_only else range(n or N), dtype=np.int64)}
+        if hidden is not None:
+            feeds["hidden"] = np.ascontiguousarray(hidden)
         for name, a in feeds.items():
             io.bind_cpu_input(name, a)
         cache.bind(io, view, P + N)
         sess.run_with_iobinding(io)
         values = outputs(io)
-        out = [values[i].numpy() for i in range(n_out)]
+        out = [values[i].numpy()[:B] for i in range(n_out)]
         cache.place(rows, view, own, P, N)
+        if dummies:
+            cache.rollback(slice(rows.stop - dummies, rows.stop))
         return out
 
     def target_forward(self, rows: slice, input_ids, position_ids, mask=None, last_only=False):
@@ -188,10 +210,8 @@ class OrtBackend(SlotBackend):
         io = self.draft_sess.io_binding()
         for name in ("hidden_out", "top_logp", "top_ids"):
             io.bind_output(name)
-        h = np.ascontiguousarray(h)
-        io.bind_cpu_input("hidden", h)
         top = np.array(top_k, dtype=np.int64)
         io.bind_cpu_input("top_k", top)
         h_out, logp, ids = self._run(self.draft_sess, io, self.dcache, rows, input_ids, position_ids, mask,
-                                     last_only, 3)
+                                     last_only, 3, hidden=h)
         return torch.from_numpy(h_out), torch.from_numpy(logp), torch.from_numpy(ids)

@@ -26,6 +26,7 @@ from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
 from .backend import SlotCounts
 
+NARROW = 0.5   # narrow the buffers when the slots in use fall to this fraction of their width (fit)
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
@@ -70,14 +71,21 @@ class SlotRows(SlotCounts):
         kv[:, :used, :w] = self.kv[:, :used, :w]
         self.kv, self.capacity, self.width = kv, capacity, width
 
-    def fit(self, rows: slice) -> bool:
-        """Make the buffers as wide as the slots in use, `rows` included; -> whether `rows` are all of them (the
-        forward then runs in place)."""
+    def fit(self, rows: slice) -> int | None:
+        """Make the buffers at least as wide as the slots in use, `rows` included -> None when the forward must
+        gather `rows`, else how many empty slots after `rows` it runs over too (0: `rows` are all of them) in place.
+        Buffers narrow only when the slots in use fall to NARROW of their width: narrowing copies every row, so
+        until then the empty trailing slots ride along as dummy rows (row-independent: they change no other row)."""
         if rows.stop > self.width:
             self._relayout(self.capacity, rows.stop)
-        elif rows.start == 0 and rows.stop < self.width and not any(self.own(slice(rows.stop, self.width))):
+        if rows.start or rows.stop == self.width:
+            return None if rows.start else 0
+        if any(self.own(slice(rows.stop, self.width))):
+            return None
+        if rows.stop <= self.width * NARROW:
             self._relayout(self.capacity, rows.stop)
-        return rows.start == 0 and rows.stop == self.width
+            return 0
+        return self.width - rows.stop
 
     def bind(self, io: ort.IOBinding, view: np.ndarray, rows: int) -> None:
         """Bind the first `rows` rows of each tensor of `view` [tensors, R, B, Hkv, D] as past_ and present_."""

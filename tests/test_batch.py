@@ -542,6 +542,120 @@ def test_tuning_stores_a_batch_schedule_the_engine_runs(ort_engine, prompts):
     assert [r.result.output_ids for r in reqs] == want, stored["batch_schedule"]
 
 
+# ------------------------------------------------------------------------------------------------ admission and width
+
+@pytest.mark.parametrize("lengths, kw, groups", [
+    ([], {}, []),
+    ([10, 10, 10], {}, [[0, 1, 2]]),
+    ([100, 10], {}, [[0], [1]]),                               # 200 padded rows for 110 real ones: apart
+    ([90, 100, 95], {}, [[1, 2, 0]]),                          # longest first; 300 rows for 285 real ones
+    ([33, 30, 27, 12], {}, [[0, 1, 2], [3]]),                  # the 12 would pad 4 x 33 over 102 real rows
+    ([2000, 2000], {"max_keys": 1024}, [[0], [1]]),           # past the row-independent keys: alone
+    ([1000] * 5, {"max_rows": 4096}, [[0, 1, 2, 3], [4]]),     # rows per forward bounded
+    ([8, 8, 8], {"slack": 1.0}, [[0, 1, 2]]),                  # no padding at all still groups
+])
+def test_prefill_groups(lengths, kw, groups):
+    assert batch_mod.prefill_groups(lengths, **kw) == groups
+
+
+def test_left_pad():
+    pad, offsets, mask = batch_mod.left_pad([3, 1])
+    assert pad.tolist() == [0, 2] and offsets.tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert mask[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]   # causal
+    assert mask[1].tolist() == [[True, False, False], [False, True, False], [False, False, True]]  # pads: itself
+    pad, offsets, mask = batch_mod.left_pad([2, 2])
+    assert pad.tolist() == [0, 0] and offsets.tolist() == [[0, 1], [0, 1]] and mask is None
+
+
+def _rows(backend, prompt):
+    """A prompt prefilled alone on one slot: its target and draft KV rows."""
+    gen = BatchedGenerator(backend.with_slots(1, 4), Schedule.parse("1:chain:3"))
+    gen.submit(prompt, 2)
+    gen._admit()
+    n = len(prompt)
+    c = gen.backend
+    return c.tcache.rows(0, n), c.dcache.rows(0, n)
+
+
+@pytest.mark.parametrize("name", ["ort", "llama/eagle3"])
+def test_requests_joining_together_prefill_in_one_forward(name, backends, request, monkeypatch):
+    """Four prompts queued together prefill in the forwards prefill_groups gives (2 here, not 4): ONNX Runtime's
+    rows bit-identical to each prompt prefilled alone (row-independent attention, left padding masked), PyTorch's
+    within its batch rounding, and every output the alone-vanilla one."""
+    b = request.getfixturevalue("ort_engine").backend if name == "ort" else backends[name]
+    g = torch.Generator().manual_seed(1)
+    picks = [torch.randint(0, b.spec.vocab_size, (n,), generator=g).tolist() for n in (33, 30, 27, 12)]
+    gen = BatchedGenerator(b.with_slots(4, 4), Schedule.parse("1:chain:3"))
+    calls = []
+    forward = gen.backend.target_forward
+
+    def counting(rows, ids, *args):
+        calls.append(ids.shape)
+        return forward(rows, ids, *args)
+    monkeypatch.setattr(gen.backend, "target_forward", counting)
+    reqs = [gen.submit(p, MAX_NEW) for p in picks]
+    gen._admit()
+    assert calls == [(3, 33), (1, 12)]
+    for slot, r in enumerate(gen.active):
+        for mine, alone in zip((gen.backend.tcache, gen.backend.dcache), _rows(b, r.input_ids)):
+            for x, y in zip(mine.rows(slot, len(r.input_ids)), alone):
+                assert torch.equal(x, y) if name == "ort" else torch.allclose(x, y, atol=1e-4), (slot, r.index)
+    gen.run()
+    for r, p in zip(reqs, picks):
+        assert r.error is None and r.result.output_ids == VanillaGenerator(b).generate(p, MAX_NEW).output_ids
+
+
+def test_ort_empty_trailing_slots_ride_along_until_half_the_width(ort_engine):
+    """A forward over the first slots with the last ones empty runs in place over all of them (the buffers keep
+    their width: no copy of every row), bit-identical to the same forward in buffers as narrow as its rows; at
+    half the width (NARROW) the buffers narrow."""
+    from eaglex.runtime.ort_cache import NARROW
+    s = ort_engine.spec
+    g = torch.Generator().manual_seed(2)
+    L, N = (20, 9, 31, 14), 3
+    prompts = [torch.randint(0, s.vocab_size, (n,), generator=g) for n in L]
+    new = torch.randint(0, s.vocab_size, (len(L), N), generator=g)
+
+    def filled(slots):
+        bb = ort_engine.backend.with_slots(slots)
+        for i in range(slots):
+            bb.target_forward(slice(i, i + 1), prompts[i][None], torch.arange(L[i])[None])
+            bb.tcache.commit(i, torch.arange(L[i]))
+        bb.target_forward(slice(0, slots), new[:slots], torch.tensor(L[:slots])[:, None] + torch.arange(N))  # widen
+        bb.tcache.rollback(slice(0, slots))
+        return bb
+    wide = filled(4)
+    wide.clear(3)
+    pos = torch.tensor(L[:3])[:, None] + torch.arange(N)
+    got = wide.target_forward(slice(0, 3), new[:3], pos)
+    assert wide.tcache.width == 4 and wide.tcache.pending[3] == 0 and 3 > 4 * NARROW
+    narrow = filled(3)
+    want = narrow.target_forward(slice(0, 3), new[:3], pos)
+    assert narrow.tcache.width == 3
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    wide.tcache.rollback(slice(0, 3))
+    wide.clear(2)
+    wide.target_forward(slice(0, 2), new[:2], pos[:2])
+    assert wide.tcache.width == 2                  # 2 <= 4 * NARROW: narrowed
+
+
+def test_slots_sized_to_the_requests_draft_to_their_last_token(ort_engine, prompts, monkeypatch):
+    """Engine.batcher sizes slots to prompt + new tokens; trees may still run past a request's end into the rows
+    its slot keeps beyond it, so no request finishes with plain steps (which would split a step's batch), and
+    every output is the alone-vanilla one."""
+    picks = prompts[:4]
+    context = max(len(p) for p in picks) + MAX_NEW
+    gen = ort_engine.batcher(4, Schedule.parse("1:chain:4"), context=context)
+    plain = []
+    monkeypatch.setattr(gen, "_vanilla", lambda rows: plain.append(rows))
+    reqs = [gen.submit(p, MAX_NEW) for p in picks]
+    gen.run()
+    assert plain == []
+    for r, p in zip(reqs, picks):
+        assert r.result.output_ids == VanillaGenerator(ort_engine.backend).generate(p, MAX_NEW).output_ids
+
+
 # ------------------------------------------------------------------------------------------------ alone in flight
 
 def test_a_request_alone_runs_the_single_request_path_bit_identically(ort_engine, prompts):
