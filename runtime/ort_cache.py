@@ -6,8 +6,10 @@ tensor as one such buffer [capacity, W, Hkv, D] whose width W is the number of s
 of them binds the first P+N rows of each buffer as the graph's input and output: nothing is copied in, and only
 the rows whose own end lies before P have their N new rows moved down to where a request decoded alone keeps them
 (a few rows per request; none for a lone request). A forward over some of the slots (a prefill, a catch-up of one
-request) gathers just those slots' rows. The width follows the batch: a slot past it widens the buffers, a forward
-over fewer slots with the rest empty narrows them (one copy of the committed rows each time, not one per forward).
+request) gathers just those slots' rows. The width follows the batch: a slot past it widens the buffers (requests that
+join together widen them once); a forward over fewer slots with the rest empty runs in place over all of them, the
+empty ones as dummy rows, until the slots in use fall to half the width, when the buffers narrow (each relayout
+copies every committed row, so they come once per halving, not once per departure).
 
 Rows of a slot: the committed rows 0..length-1 in context order (a row's index is its position, as in vanilla
 decoding), then the `pending` rows forwards appended since the last commit or rollback. rollback() forgets the
