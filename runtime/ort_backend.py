@@ -52,15 +52,6 @@ def _pad_rows(input_ids, position_ids, mask, pending: int, extra: int):
     return ids, pos, mask
 
 
-def _dummy_rows(attn: np.ndarray, extra: int) -> np.ndarray:
-    """The attention mask [B,1,N,P+N] with `extra` rows after the caller's, for empty slots: each of their rows sees
-    its own new row alone (a row must see something; nothing sees them, and they are rolled back)."""
-    B, _, N, width = attn.shape
-    pad = np.zeros((extra, 1, N, width), dtype=bool)
-    pad[:, 0, :, width - N:] = np.eye(N, dtype=bool)
-    return np.concatenate([attn, pad])
-
-
 class OrtBackend(SlotBackend):
     device = torch.device("cpu")            # where the tensors it returns live
 
@@ -161,11 +152,10 @@ class OrtBackend(SlotBackend):
             view[:, :P] = cache.kv[:, :P, rows]
         else:
             view = cache.kv
-        attn = cache.mask(rows, own, P, N, mask)
+        attn = cache.mask(rows, own, P, N, mask, dummies or 0)
         if dummies:                         # empty slots after `rows`, run in place with them: token 0 at position 0
             input_ids = torch.cat([input_ids, input_ids.new_zeros(dummies, N)])
             position_ids = torch.cat([position_ids, position_ids.new_zeros(dummies, N)])
-            attn = _dummy_rows(attn, dummies)
             if hidden is not None:
                 hidden = np.concatenate([hidden, np.zeros((dummies, *hidden.shape[1:]), hidden.dtype)])
             rows, own = slice(rows.start, rows.stop + dummies), own + [0] * dummies

@@ -112,17 +112,21 @@ class SlotRows(SlotCounts):
                 self.kv[:, o:o + N, s] = new.copy() if inplace else new     # in place, the two may overlap
             self.pending[s] += N
 
-    def mask(self, rows: slice, own: list[int], P: int, N: int, mask) -> np.ndarray:
-        """[B,1,N,P+N] bool for a forward of N rows over slots `rows` whose own rows end at `own` (P = the longest):
-        each row sees its committed rows, then `mask` ([B,N,pending+N], the same pending count in every row; None =
-        every pending row, then causal) over its pending rows and the N new ones at P..P+N-1."""
+    def mask(self, rows: slice, own: list[int], P: int, N: int, mask, dummies: int = 0) -> np.ndarray:
+        """[B+dummies,1,N,P+N] bool for a forward of N rows over slots `rows` whose own rows end at `own` (P = the
+        longest): each row sees its committed rows, then `mask` ([B,N,pending+N], the same pending count in every
+        row; None = every pending row, then causal) over its pending rows and the N new ones at P..P+N-1. The
+        `dummies` rows after them (empty slots run in place, see fit) see their own new row alone: a row must see
+        something; nothing sees them, and they are rolled back."""
         B = rows.stop - rows.start
-        attn = np.zeros((B, 1, N, P + N), dtype=bool)
+        attn = np.zeros((B + dummies, 1, N, P + N), dtype=bool)
+        attn[B:, 0, :, P:] = np.eye(N, dtype=bool)
+        attn, full = attn[:B], attn
         cols = np.arange(P)
         if mask is None:
             attn[:, 0, :, :P] = (cols < np.array(own)[:, None])[:, None, :]
             attn[:, 0, :, P:] = np.tril(np.ones((N, N), dtype=bool))
-            return attn
+            return full
         m = mask.numpy() if hasattr(mask, "numpy") else np.asarray(mask)
         pend = m.shape[-1] - N
         length = self.length[rows]
@@ -130,7 +134,7 @@ class SlotRows(SlotCounts):
         for b, L in enumerate(length):
             attn[b, 0, :, L:L + pend] = m[b, :, :pend]
         attn[:, 0, :, P:] = m[:, :, pend:]
-        return attn
+        return full
 
     def commit(self, slot: int, keep: torch.Tensor) -> None:
         """keep [K] int64: the slot's pending rows (in order) that become committed rows."""
