@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from eaglex.models.seeded import _gen, _norm_weight, _randn
+
 BIG_SPEC = dict(
     vocab=32000, hidden=1536, intermediate=4096, layers=16, heads=24, kv_heads=6, head_dim=64, frequent=8000,
     max_pos=2048, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -51,22 +53,10 @@ BIG_SPEC = dict(
 BIG_HEAD_SPEC = dict(self_attn_gain=3.0, noise=0.02, mlp_scale=0.15, norm_jitter=0.05, max_pos=2048)
 
 
-def _gen(seed: int, salt: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(int(seed) * 1_000_003 + salt)
-    return g
-
-
-def _randn(g, *shape, std=1.0):
-    return torch.randn(*shape, generator=g, dtype=torch.float32) * std
-
-
-def _norm_weight(g, n, jitter):
-    return 1.0 + _randn(g, n, std=jitter)
-
-
 def _attn_mlp(g, s):
-    """One decoder layer: anti-self GQA attention (seeded._attn_mlp_weights), o_proj/down_proj scaled by eps."""
+    """One decoder layer: anti-self GQA attention (seeded._attn_mlp_weights' construction, without its draw of a k
+    that anti-self replaces: the generator's stream, and so every bench model, stays as recorded), o_proj/down_proj
+    scaled by eps."""
     H, nh, nkv, hd, I = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["intermediate"]
     qk = s["qk_gain"] / math.sqrt(H)
     q = _randn(g, nh * hd, H, std=qk)
