@@ -218,6 +218,10 @@ BENCH_SERVE_CONCURRENCY ?= 1,2,4,8,16,32
 BENCH_SERVE_ARGS ?=
 BENCH_SERVE_AIPERF ?= 1
 BENCH_SERVE_CHAOS ?= 1
+# The peers' own servers in the same AIPerf turns (with AIPerf): llama-server -np (the largest concurrency), F32
+# target, vanilla and its EAGLE-3 with the engine's head (built once by tools/build_llamacpp.sh, ~15 min), and
+# `vllm serve` vanilla and EAGLE-3 (make vllm-venv). BENCH_SERVE_PEERS= leaves them out.
+BENCH_SERVE_PEERS ?= 1
 AIPERF_VENV ?= build/aiperf-venv
 AIPERF      ?= aiperf==0.13.0
 .PHONY: bench-serve
@@ -226,6 +230,9 @@ $(AIPERF_VENV)/bin/aiperf:
 	$(AIPERF_VENV)/bin/pip install -q $(AIPERF)
 
 bench-serve: serve-check-engine $(STAMP) $(if $(BENCH_SERVE_AIPERF),$(AIPERF_VENV)/bin/aiperf)  ## load benchmark of the deployment, our client and AIPerf: build/bench_serve.json + .png
+	$(if $(and $(BENCH_SERVE_AIPERF),$(BENCH_SERVE_PEERS)),tools/build_llamacpp.sh $(LLAMACPP_BUILD) $(BIN)/python || true; \
+		$(MAKE) vllm-venv || echo "make bench-serve: vLLM's CPU build did not install here: its rows are left out")
 	$(BIN)/python -m eaglex.bench_serve --engine $(ENGINE) --concurrency $(BENCH_SERVE_CONCURRENCY) \
 		$(if $(BENCH_SERVE_AIPERF),--aiperf $(AIPERF_VENV)/bin/aiperf $(if $(BENCH_SERVE_CHAOS),--chaos)) \
+		$(if $(and $(BENCH_SERVE_AIPERF),$(BENCH_SERVE_PEERS)),--llamacpp-server $(LLAMACPP_BUILD)/bin --vllm $(VLLM_VENV)/bin/python) \
 		--out build/bench_serve.json --plot build/bench_serve.png $(BENCH_SERVE_ARGS)

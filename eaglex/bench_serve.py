@@ -32,6 +32,13 @@ chat template (longer than ours, which are token ids without a template), its re
 conversion, its throughput divides by its whole benchmark window, and it runs one pass per row (ours: the median of
 --repeats).
 
+With --llamacpp-server and --vllm (need --aiperf; `make bench-serve` passes both when they are built), the peers'
+own servers take their turn after eaglex's deployments at each concurrency, measured by AIPerf alone in the same
+settings (eaglex/serve_peers.py: llama-server with as many slots as the largest concurrency, F32 target, vanilla
+and its EAGLE-3 with the engine's head; `vllm serve` vanilla and EAGLE-3): rows of their own (column `peer`), a
+table of eaglex's best row over the best peer row per concurrency (JSON `vs_peers`). A peer's failure is reported
+in its row and does not fail the run.
+
 With --chaos (needs --aiperf; `make bench-serve` runs it last, --chaos-only runs nothing else), the EAGLE-batched
 deployment is hurt under load, twice: an AIPerf run (streamed chat, --chaos-concurrency 16, request timeout
 --chaos-deadline) with our client's greedy streams alongside (--chaos-clients, each output compared token by token
@@ -47,10 +54,11 @@ the exit status 1.
 
     python -m eaglex.bench_serve --engine engines/tiny [--concurrency 1,2,4,8,16,32] [--requests 2x] \
         [--max-tokens 64] [--repeats 3] [--no-mix] [--modes vanilla,eagle,single] [--out build/bench_serve.json] \
-        [--plot build/bench_serve.png] [--aiperf build/aiperf-venv/bin/aiperf [--chaos | --chaos-only]]
+        [--plot build/bench_serve.png] [--aiperf build/aiperf-venv/bin/aiperf [--chaos | --chaos-only]
+        [--llamacpp-server build/llama.cpp/bin] [--vllm build/vllm-venv/bin/python]]
 
-One module of ~780 lines on purpose: the deployments it starts, the AIPerf driver and the chaos phase share one
-run's processes and one table; nothing imports it but its test.
+One module of ~890 lines on purpose: the deployments it starts (the peers' come from eaglex/serve_peers.py), the
+AIPerf driver and the chaos phase share one run's processes and one table; nothing imports it but its tests.
 """
 from __future__ import annotations
 
@@ -68,13 +76,30 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eaglex.base.errors import ModelError
 from eaglex.engines.tune import tune_batching
+from eaglex.llamacpp_peer import cache_dir as llamacpp_cache
+from eaglex.llamacpp_peer import find_source
+from eaglex.llamacpp_server import find_bin, parse_drafts
 from eaglex.runtime.batch import Schedule
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.manifest import MANIFEST, read_manifest
+from eaglex.runtime.ort_session import physical_cores
+from eaglex.serve_peers import (
+    LLAMACPP_DRAFT,
+    VLLM_K,
+    PeerServer,
+    llamacpp_peers,
+    log_skip,
+    peers_markdown,
+    str_draft,
+    vllm_peers,
+    vs_peers,
+)
 from eaglex.serving import control
 from eaglex.serving.config import SERVER_LOG, SUPERVISOR_LOG, ServeConfig
 from eaglex.serving.processes import stubs
@@ -274,6 +299,52 @@ def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int
                 round(float(v), 2)
     row["aiperf_requests"] = n
     return row
+
+
+def manifest_of(engine: Path) -> dict:
+    try:
+        return read_manifest(engine)
+    except Exception:  # noqa: BLE001 - a model folder, not an engine: it names no sources for the peers
+        return {}
+
+
+def peer_deployments(args, manifest: dict) -> list:
+    """The peers asked for (--llamacpp-server, --vllm) on the engine's own target and head (its manifest's
+    sources), each left out with one line when what it needs is not here."""
+    sources = manifest.get("sources") or {}
+    target = Path(sources["target"]["path"]) if sources.get("target") else None
+    head = Path(sources["draft"]["path"]) if sources.get("draft") else None
+    slots, threads, out = max(args.concurrency), args.threads or physical_cores(), []
+    skip = lambda who, why: print(f"bench-serve: {who} left out ({why})", file=sys.stderr)  # noqa: E731
+    if args.llamacpp_server != "off":
+        bin_dir = find_bin(args.llamacpp_server, lambda line: skip("llama-server", line))
+        gguf = find_source("auto", target, skip=lambda why: skip("llama-server", why)) if bin_dir else None
+        if gguf is not None and head is None:
+            skip("llama-server", "the engine has no draft head")
+        elif gguf is not None:
+            out += llamacpp_peers(bin_dir, gguf, head, llamacpp_cache(target), slots, threads, args.max_context,
+                                  args.llamacpp_draft[0])
+    if args.vllm:
+        if target is None or not Path(args.vllm).is_file():
+            skip("vLLM", f"no python at {args.vllm}" if target else "the engine names no Hugging Face target")
+        else:
+            out += vllm_peers(Path(args.vllm), target, head, slots, threads, args.max_context, Path(args.out).with_name("bench_serve_peers"), args.vllm_k)
+    return out
+
+
+def peer_row(peer, server, tokenizer: Path, concurrency: int, n: int, args, out: Path) -> dict | None:
+    """AIPerf's row for one peer at one concurrency: on `server` (a peer kept up for the run, after it rested), else
+    on a server of its own started for this row; None when that does not start."""
+    try:
+        with ExitStack() as stack:
+            if server is None:
+                server = stack.enter_context(PeerServer(peer))
+            time.sleep(peer.settle_s)
+            got = aiperf_row(args.aiperf, tokenizer, server.port, concurrency, n, args, out)
+    except ModelError as e:
+        log_skip(peer, e)
+        return None
+    return {"mode": peer.name, "concurrency": concurrency, "peer": True, "setting": peer.setting} | got
 
 
 # --- the chaos phase (--chaos): kill -9 under load ---------------------------------------------------------------
@@ -534,6 +605,16 @@ def main(argv=None) -> int:
     ap.add_argument("--aiperf", help="AIPerf's executable: also measure each row with AIPerf on the OpenAI API")
     ap.add_argument("--aiperf-input-tokens", type=int, default=64, help="AIPerf's synthetic prompt length")
     ap.add_argument("--aiperf-requests", default="2x", help="AIPerf's requests per row (like --requests)")
+    ap.add_argument("--llamacpp-server", default="off", metavar="auto|off|DIR",
+                    help="with --aiperf: also llama-server (-np of the largest concurrency, F32 target, vanilla and "
+                         "its EAGLE-3 with the engine's head) in the same AIPerf turns; DIR holds llama-server "
+                         "(auto: build/llama.cpp/bin, else PATH)")
+    ap.add_argument("--llamacpp-draft", default=str_draft(LLAMACPP_DRAFT), metavar="N/P",
+                    help="llama-server's EAGLE-3 setting: --spec-draft-n-max N --spec-draft-p-min P")
+    ap.add_argument("--vllm", metavar="PYTHON",
+                    help="with --aiperf: also `vllm serve` (vanilla and EAGLE-3 with the head) run by the python of "
+                         "vLLM's venv (make vllm-venv)")
+    ap.add_argument("--vllm-k", type=int, default=VLLM_K, help="vLLM's num_speculative_tokens")
     ap.add_argument("--chaos", action="store_true",
                     help="after the rows, the chaos phase (needs --aiperf): kill -9 of tritonserver, then of the "
                          "model's stub, each during an AIPerf run on the EAGLE-batched deployment with our client "
@@ -571,6 +652,14 @@ def main(argv=None) -> int:
         ap.error(f"--modes: use {', '.join(MODES)}")
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
+    if (args.llamacpp_server != "off" or args.vllm) and not args.aiperf:
+        ap.error("--llamacpp-server / --vllm: the peers are measured by AIPerf; give --aiperf")
+    try:
+        args.llamacpp_draft = parse_drafts(args.llamacpp_draft)
+    except ModelError as e:
+        ap.error(f"--llamacpp-draft: {e}")
+    if len(args.llamacpp_draft) != 1 or args.vllm_k < 1:
+        ap.error("--llamacpp-draft takes one N/P; --vllm-k at least 1")
 
     def count(c: int, r: str | None = None) -> int:
         r = r or args.requests
@@ -607,8 +696,17 @@ def main(argv=None) -> int:
     print(f"bench-serve: {engine_name} ({engine.method}, tree {engine.tree}, batch schedule "
           f"{engine.batch_schedule()}), {args.max_tokens} tokens per request, greedy; references decoded alone")
 
+    peers = peer_deployments(args, manifest_of(args.engine)) if args.concurrency else []
     rows, servers, chaos_runs, chaos_seconds = [], {}, [], None
-    with tmp:
+    with tmp, ExitStack() as running:
+        kept = {}                           # peers that serve the whole run: started once, here
+        for p in peers:
+            if not p.fresh:
+                try:
+                    kept[p] = running.enter_context(PeerServer(p))
+                except ModelError as e:
+                    log_skip(p, e)
+        peers = [p for p in peers if p.fresh or p in kept]
         try:
             for mode in modes:              # every deployment up at once (idle ones wait without using the CPU)
                 t0 = time.monotonic()
@@ -643,6 +741,14 @@ def main(argv=None) -> int:
                     rows.append(median_row(rs) | {"mode": mode,
                                                   "speculation": speculation(engine, mode, c, args.max_batch)}
                                 | extra[mode])
+                for p in peers:             # then the peers' servers, in the same AIPerf settings
+                    got = peer_row(p, kept.get(p), tokenizer_dir, c, count(c, args.aiperf_requests), args,
+                                   Path(tmp.name) / "aiperf" / f"{p.name.replace(' ', '_')}-c{c}")
+                    if got is not None:
+                        rows.append(got)
+                        print(f"[{p.name}] c={c:3d} aiperf  {got.get('aiperf_output_tokens_per_s')} tok/s  ttft p99 "
+                              f"{got.get('aiperf_ttft_p99_ms')} ms  itl {got.get('aiperf_itl_avg_ms')} ms"
+                              f"{'  ERROR ' + got['aiperf_error'] if 'aiperf_error' in got else ''}", flush=True)
             if args.chaos:                  # last: it kills the eagle deployment's processes
                 t0 = time.monotonic()
                 chaos_runs = chaos(servers["eagle"], args.aiperf, tokenizer_dir, prompts, want, args,
@@ -651,16 +757,18 @@ def main(argv=None) -> int:
         finally:
             for srv in servers.values():
                 srv.stop()
-    rows.sort(key=lambda r: (modes.index(r["mode"]), r["concurrency"]))
+    order = modes + [p.name for p in peers]
+    rows.sort(key=lambda r: (order.index(r["mode"]), r["concurrency"]))
+    ours = [r for r in rows if not r.get("peer")]
 
-    table = summary(rows, args.concurrency)
+    table = summary(ours, args.concurrency)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "engine": engine_name,
               "method": engine.method, "tree": str(engine.tree), "batch_schedule": str(engine.batch_schedule()),
               "batch_schedule_from": schedule_from,
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "threads": args.threads,
               "repeats": args.repeats, "mix": args.mix, "aiperf": bool(args.aiperf),
               "aiperf_input_tokens": args.aiperf_input_tokens if args.aiperf else None,
-              "rows": rows, "summary": table}
+              "rows": rows, "summary": table, "vs_peers": vs_peers(rows, args.concurrency)}
     if args.chaos:
         result["chaos"] = {"seconds": chaos_seconds, "aiperf_concurrency": args.chaos_concurrency,
                            "aiperf_requests": args.chaos_requests * args.chaos_concurrency,
@@ -670,6 +778,8 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     if rows:
         print(markdown(rows, table))
+    if peers:
+        print("\n" + peers_markdown(result["vs_peers"]))
     if args.chaos:
         print(f"\nchaos phase ({chaos_seconds} s; AIPerf artifacts in {args.chaos_dir}):\n{chaos_markdown(chaos_runs)}")
         for r in chaos_runs:
@@ -678,12 +788,12 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}")
     if args.plot and rows:
         try:
-            plot(rows, Path(args.plot))
+            plot(ours, Path(args.plot))
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
-    bad = [r for r in rows if r["errors"] or r["exact"] != 1.0 or r["bad_refused"] != r["bad_requests"]
-           or "aiperf_error" in r]
+    bad = [r for r in ours if r["errors"] or r["exact"] != 1.0 or r["bad_refused"] != r["bad_requests"]
+           or "aiperf_error" in r]             # a peer's failure is reported in its row, not ours to fail on
     bad += [r for r in chaos_runs if r["problems"]] + ([{}] if args.chaos and len(chaos_runs) < len(CHAOS_KILLS)
                                                        else [])
     return 1 if bad else 0
@@ -722,7 +832,7 @@ def markdown(rows: list[dict], table: list[dict]) -> str:
     lines = ["| mode | conc. | requests | tokens/s (median; runs' range) | per-request tok/s | TTFT p50/p99 ms | "
              "TPOT p50/p99 ms | mean accepted | speculation | exact | bad refused | hang-ups |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in (r for r in rows if not r.get("peer")):
         spread = r.get("tokens_per_s_runs") or [r["tokens_per_s"]]
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['served']}/{r['requests']} | {r['tokens_per_s']} "
                      f"({min(spread)}–{max(spread)}) | "
@@ -734,7 +844,7 @@ def markdown(rows: list[dict], table: list[dict]) -> str:
                   "AIPerf ITL mean / p99 ms |", "|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['mode']} | {r['concurrency']} | {r.get('aiperf_output_tokens_per_s', 'error')} | "
-                         f"{r['tokens_per_s']} | {r.get('aiperf_requests_per_s')} | {r.get('aiperf_ttft_p99_ms')} | "
+                         f"{r.get('tokens_per_s', '–')} | {r.get('aiperf_requests_per_s')} | {r.get('aiperf_ttft_p99_ms')} | "
                          f"{r.get('aiperf_itl_avg_ms')} / {r.get('aiperf_itl_p99_ms')} |")
     lines += ["", "| conc. | vanilla batched tok/s | EAGLE batched tok/s | speedup | one-at-a-time tok/s | "
               "EAGLE batched / one-at-a-time |", "|---|---|---|---|---|---|"]
