@@ -109,3 +109,20 @@ def test_bad_peer_options(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench_serve.main(["--engine", str(Path("engines/none"))] + argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_peers_left_out_with_one_line(tmp_path, capsys):
+    """What a peer needs missing (no llama-server, a target not converted from a GGUF file, no vLLM venv): no peer,
+    one line each, the run goes on."""
+    import argparse
+    args = argparse.Namespace(concurrency=[1, 4], threads=2, max_context=300, llamacpp_server=str(tmp_path / "none"),
+                              llamacpp_draft=(Draft(8, 0.5),), vllm=str(tmp_path / "no-python"), vllm_k=4,
+                              out=tmp_path / "out.json")
+    target = tmp_path / "hf"
+    target.mkdir()
+    manifest = {"sources": {"target": {"path": str(target)}, "draft": {"path": str(tmp_path / "head")}}}
+    assert bench_serve.peer_deployments(args, manifest) == []
+    err = capsys.readouterr().err
+    assert "llama-server left out" in err and "vLLM left out (no python at" in err
+    args.llamacpp_server, args.vllm = "off", None
+    assert bench_serve.peer_deployments(args, {}) == []
