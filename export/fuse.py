@@ -10,6 +10,8 @@ against torch still applies:
   RotaryEmbedding (opset 23) over Cos/Sin(f): the halves of the concatenated tables are the same numbers.
 - skip + RMS norm: `RMSNormalization(a + b)` becomes com.microsoft::SkipSimplifiedLayerNormalization, whose fourth
   output is the sum a + b the residual stream goes on with.
+- head layouts (after the attention rewrite): a key's rotary on its projection as it is, and two Transposes in a
+  row as one, so that the new K and V rows reach the KV buffer through one copy each instead of two.
 - sibling MatMuls: MatMuls that read the same input with constant [K, N_i] weights become one MatMul over the
   weights concatenated along N, then a Split. Each output column is the same dot product as before (MLAS and
   MatMulNBits sum a column over K in blocks that do not depend on the other columns: bit-identical outputs,
@@ -218,3 +220,54 @@ def _prune(graph: onnx.GraphProto) -> None:
         del graph.node[:]
         graph.node.extend(keep)
 
+
+
+def fuse_head_transposes(model: onnx.ModelProto, num_kv_heads: int) -> int:
+    """Fewer layout copies around the heads (after export/row_attention.py's rewrite), returns Transposes removed:
+
+    - a key's RotaryEmbedding runs on the projection [B,N,Hkv*D] itself (its 3-D form, num_heads = `num_kv_heads`),
+      so that Reshape -> Transpose(0,2,1,3) -> RotaryEmbedding -> Transpose(2,0,1,3) (rows first, for the KV
+      buffer) becomes RotaryEmbedding -> Reshape -> one Transpose;
+    - Transpose(Transpose(x, p), q), the inner read by the outer alone, becomes Transpose(x, p[q]) (values).
+    Copies only: every number stays the same (the rotary's arithmetic is per element, whatever its input layout)."""
+    g = _Graph(model.graph)
+    drop, insert, removed = set(), {}, 0
+    for rot in model.graph.node:
+        if rot.op_type != "RotaryEmbedding" or len(rot.input) != 3 or rot.attribute:
+            continue
+        t_in = g.op(rot.input[0], "Transpose")
+        users = g.consumers.get(rot.output[0], [])
+        t_out = users[0] if len(users) == 1 and users[0].op_type == "Transpose" else None
+        r = g.op(t_in.input[0], "Reshape") if t_in is not None else None
+        if t_out is None or r is None or _attr(t_out, "perm") != [2, 0, 1, 3] \
+                or _attr(t_in, "perm") != [0, 2, 1, 3] or not g.only_use(t_in.output[0], rot) \
+                or not g.only_use(r.output[0], t_in) or rot.output[0] in g.outputs:
+            continue
+        p, q = _attr(t_in, "perm"), _attr(t_out, "perm")
+        flat = rot.output[0] + "_flat"
+        insert[id(rot)] = [
+            helper.make_node("RotaryEmbedding", [r.input[0], rot.input[1], rot.input[2]], [flat],
+                             name=rot.name + "_3d", num_heads=num_kv_heads),
+            helper.make_node("Reshape", [flat, r.input[1]], [rot.output[0] + "_heads"], name=rot.name + "_heads"),
+            helper.make_node("Transpose", [rot.output[0] + "_heads"], [t_out.output[0]], name=t_out.name,
+                             perm=[p[i] for i in q])]
+        drop.update({id(r), id(t_in), id(rot), id(t_out)})
+        removed += 1
+    if removed:
+        _replace(model.graph, drop, insert)
+        g = _Graph(model.graph)
+    drop, insert = set(), {}
+    for outer in model.graph.node:
+        inner = g.op(outer.input[0], "Transpose") if outer.op_type == "Transpose" else None
+        if inner is None or id(inner) in drop or not g.only_use(inner.output[0], outer):
+            continue
+        p, q = _attr(inner, "perm"), _attr(outer, "perm")
+        if p is None or q is None:
+            continue
+        insert[id(outer)] = [helper.make_node("Transpose", [inner.input[0]], list(outer.output), name=outer.name,
+                                              perm=[p[i] for i in q])]
+        drop.update({id(inner), id(outer)})
+        removed += 1
+    if insert:
+        _replace(model.graph, drop, insert)
+    return removed

@@ -33,7 +33,7 @@ import torch
 
 from eaglex.base.errors import ModelError
 
-from .fuse import fuse_rotary, fuse_skip_rms_norm
+from .fuse import fuse_head_transposes, fuse_rotary, fuse_skip_rms_norm
 from .graphs import GraphSpec
 from .row_attention import rewrite_attention
 
@@ -91,7 +91,8 @@ def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None
 
 def _engine_rewrites(path: Path, heads: tuple[int, int, int]) -> Counter:
     """The rewrites every engine graph with attention gets: RoPE and skip + RMS norm fused (export/fuse.py), KV
-    buffers written in place and row-independent attention (export/row_attention.py). They change the saved graph's
+    buffers written in place and row-independent attention (export/row_attention.py), then fewer layout copies
+    around the heads (export/fuse.py). They change the saved graph's
     structure only: the weights (external data) are neither read nor rewritten. Returns the new graph's op counts."""
     model = onnx.load(str(path), load_external_data=False)
     fuse_rotary(model)
@@ -100,6 +101,7 @@ def _engine_rewrites(path: Path, heads: tuple[int, int, int]) -> Counter:
         rewrite_attention(model, *heads)
     except ValueError as e:
         raise ExportError(f"{path.name}: {e}") from None
+    fuse_head_transposes(model, heads[1])
     onnx.save(model, str(path))
     return _ops(model)
 

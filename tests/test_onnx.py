@@ -73,6 +73,35 @@ def test_export_parity_and_structure(name, engines):
                         for n in g.node if r.output[0] in n.input]
             assert readers and all(n.op_type == "FusedMatMul" and
                                    {a.name: a.i for a in n.attribute}.get("transBatchB") == 1 for n in readers)
+            # the new rows reach the buffer through one layout copy: Transpose(Reshape(projection or its rotary))
+            rows = producer[producer[present].input[2]]
+            assert rows.op_type == "Transpose" and producer[rows.input[0]].op_type == "Reshape", present
+
+
+def test_head_layouts_keep_every_number(models, tmp_path, monkeypatch):
+    """export/fuse.py's fuse_head_transposes moves copies only: the graphs built with and without it give the same
+    bits for every output, at one row and at many rows, batched, with a past, and two Transposes fewer a layer."""
+    import onnxruntime as ort
+
+    import eaglex.export.onnx_export as ox
+    from eaglex.runtime.ort_session import session_options
+    build_engine(models["llama"], models["llama/eagle3"], tmp_path / "with", progress=False)
+    monkeypatch.setattr(ox, "fuse_head_transposes", lambda model, kv_heads: 0)
+    build_engine(models["llama"], models["llama/eagle3"], tmp_path / "without", progress=False)
+    layers = read_manifest(tmp_path / "with")["target"]["spec"]["num_layers"]
+    ops = [read_manifest(tmp_path / e)["graphs"]["target"]["ops"]["Transpose"] for e in ("with", "without")]
+    assert ops[1] - ops[0] == 2 * layers
+    a, b = (ort.InferenceSession(str(tmp_path / e / "target.onnx"), session_options(),
+                                 providers=["CPUExecutionProvider"]) for e in ("with", "without"))
+    rng = np.random.default_rng(0)
+    pasts = [i for i in a.get_inputs() if i.name.startswith("past_")]
+    for B, N, P in ((1, 1, 7), (2, 5, 0), (3, 4, 9)):
+        feeds = {"input_ids": rng.integers(0, 40, (B, N)), "position_ids": np.tile(np.arange(P, P + N), (B, 1)),
+                 "attn_mask": np.tril(np.ones((N, P + N), bool), P)[None, None].repeat(B, 0),
+                 "logits_rows": np.arange(N)}
+        feeds |= {i.name: rng.standard_normal((P + N, B, *i.shape[2:])).astype(np.float32) for i in pasts}
+        for x, y in zip(a.run(None, feeds), b.run(None, feeds)):
+            assert np.array_equal(x, y), (B, N, P)
 
 
 @pytest.mark.parametrize("name", ENGINES)
