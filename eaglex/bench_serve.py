@@ -315,7 +315,9 @@ def peer_deployments(args, manifest: dict) -> list:
     target = Path(sources["target"]["path"]) if sources.get("target") else None
     head = Path(sources["draft"]["path"]) if sources.get("draft") else None
     slots, threads, out = max(args.concurrency), args.threads or physical_cores(), []
-    skip = lambda who, why: print(f"bench-serve: {who} left out ({why})", file=sys.stderr)  # noqa: E731
+
+    def skip(who: str, why: str) -> None:
+        print(f"bench-serve: {who} left out ({why})", file=sys.stderr)
     if args.llamacpp_server != "off":
         bin_dir = find_bin(args.llamacpp_server, lambda line: skip("llama-server", line))
         gguf = find_source("auto", target, skip=lambda why: skip("llama-server", why)) if bin_dir else None
@@ -328,7 +330,8 @@ def peer_deployments(args, manifest: dict) -> list:
         if target is None or not Path(args.vllm).is_file():
             skip("vLLM", f"no python at {args.vllm}" if target else "the engine names no Hugging Face target")
         else:
-            out += vllm_peers(Path(args.vllm), target, head, slots, threads, args.max_context, Path(args.out).with_name("bench_serve_peers"), args.vllm_k)
+            out += vllm_peers(Path(args.vllm), target, head, slots, threads, args.max_context,
+                              Path(args.out).with_name("bench_serve_peers"), args.vllm_k)
     return out
 
 
