@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglex import loopback
 from eaglex.base.errors import ModelError
 from eaglex.bench_row import Alongside, Row, eos_stop, interleaved
 from eaglex.llamacpp_build import compiled_features
@@ -117,18 +117,12 @@ def _quantize(bin_dir: Path, src: Path, out: Path, kind: str) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One llama-server on loopback, started on enter and stopped on exit; `complete` runs one request."""
 
     def __init__(self, bin_dir: Path, target: Path, threads: int, n_ctx: int, log: Path,
                  head: Path | None = None, draft: Draft | None = None):
-        self.port = _free_port()
+        self.port = loopback.free_port()
         self.cmd = [str(bin_dir / "llama-server"), "-m", str(target), "--host", "127.0.0.1", "--port",
                     str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1"]
         if head is not None:
@@ -138,32 +132,11 @@ class Server:
         self.proc = None
 
     def __enter__(self) -> "Server":
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        lines = self.log.read_text(errors="replace").strip().splitlines()
-        raise ModelError(f"llama-server did not start ({lines[-1] if lines else 'no output'}; log {self.log})")
+        self.proc = loopback.start(self.cmd, self.port, self.log, "llama-server", 300)
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        loopback.stop(self.proc)
 
     def complete(self, prompt: list[int], limit: int) -> tuple[list[int], float, dict]:
         """Greedy tokens after the token ids `prompt` (at most `limit`), the request's wall time, its timings."""

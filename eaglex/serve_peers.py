@@ -16,16 +16,12 @@ A peer that does not start is left out with one line on stderr; the run goes on.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglex.base.errors import ModelError
-from eaglex.llamacpp_server import Draft, _free_port
+from eaglex import loopback
+from eaglex.llamacpp_server import Draft
 
 MODEL_NAME = "eaglex"           # the model name AIPerf sends; vLLM serves under it, llama-server ignores it
 SETTLE_S = 2.0                  # rest before a row against vLLM (see the module docstring)
@@ -53,35 +49,16 @@ class PeerServer:
     exit. A ModelError (one line, the log's last line) when it exits or is not ready in time."""
 
     def __init__(self, peer: Peer):
-        self.peer, self.port, self.proc = peer, _free_port(), None
+        self.peer, self.port, self.proc = peer, loopback.free_port(), None
 
     def __enter__(self) -> "PeerServer":
         p = self.peer
-        p.log.parent.mkdir(parents=True, exist_ok=True)
         cmd = [part.replace("{port}", str(self.port)) for part in p.command]
-        with open(p.log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=p.env)
-        deadline = time.monotonic() + p.start_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        self.__exit__()
-        lines = p.log.read_text(errors="replace").strip().splitlines()
-        raise ModelError(f"{p.name} did not start ({lines[-1][:200] if lines else 'no output'}; log {p.log})")
+        self.proc = loopback.start(cmd, self.port, p.log, p.name, p.start_s, p.env)
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        loopback.stop(self.proc)
 
 
 def llamacpp_peers(bin_dir: Path, gguf: Path, head: Path, cache: Path, slots: int, threads: int,
