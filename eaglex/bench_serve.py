@@ -93,8 +93,8 @@ from eaglex.serve_peers import (
     LLAMACPP_DRAFT,
     VLLM_K,
     PeerServer,
+    left_out,
     llamacpp_peers,
-    log_skip,
     peers_markdown,
     str_draft,
     vllm_peers,
@@ -301,13 +301,6 @@ def aiperf_row(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int
     return row
 
 
-def manifest_of(engine: Path) -> dict:
-    try:
-        return read_manifest(engine)
-    except Exception:  # noqa: BLE001 - a model folder, not an engine: it names no sources for the peers
-        return {}
-
-
 def peer_deployments(args, manifest: dict) -> list:
     """The peers asked for (--llamacpp-server, --vllm) on the engine's own target and head (its manifest's
     sources), each left out with one line when what it needs is not here."""
@@ -315,20 +308,17 @@ def peer_deployments(args, manifest: dict) -> list:
     target = Path(sources["target"]["path"]) if sources.get("target") else None
     head = Path(sources["draft"]["path"]) if sources.get("draft") else None
     slots, threads, out = max(args.concurrency), args.threads or physical_cores(), []
-
-    def skip(who: str, why: str) -> None:
-        print(f"bench-serve: {who} left out ({why})", file=sys.stderr)
     if args.llamacpp_server != "off":
-        bin_dir = find_bin(args.llamacpp_server, lambda line: skip("llama-server", line))
-        gguf = find_source("auto", target, skip=lambda why: skip("llama-server", why)) if bin_dir else None
+        bin_dir = find_bin(args.llamacpp_server, lambda line: left_out("llama-server", line))
+        gguf = find_source("auto", target, skip=lambda why: left_out("llama-server", why)) if bin_dir else None
         if gguf is not None and head is None:
-            skip("llama-server", "the engine has no draft head")
+            left_out("llama-server", "the engine has no draft head")
         elif gguf is not None:
             out += llamacpp_peers(bin_dir, gguf, head, llamacpp_cache(target), slots, threads, args.max_context,
                                   args.llamacpp_draft[0])
     if args.vllm:
         if target is None or not Path(args.vllm).is_file():
-            skip("vLLM", f"no python at {args.vllm}" if target else "the engine names no Hugging Face target")
+            left_out("vLLM", f"no python at {args.vllm}" if target else "the engine names no Hugging Face target")
         else:
             out += vllm_peers(Path(args.vllm), target, head, slots, threads, args.max_context,
                               Path(args.out).with_name("bench_serve_peers"), args.vllm_k)
@@ -345,7 +335,7 @@ def peer_row(peer, server, tokenizer: Path, concurrency: int, n: int, args, out:
             time.sleep(peer.settle_s)
             got = aiperf_row(args.aiperf, tokenizer, server.port, concurrency, n, args, out)
     except ModelError as e:
-        log_skip(peer, e)
+        left_out(peer.name, e)
         return None
     return {"mode": peer.name, "concurrency": concurrency, "peer": True, "setting": peer.setting} | got
 
@@ -699,7 +689,7 @@ def main(argv=None) -> int:
     print(f"bench-serve: {engine_name} ({engine.method}, tree {engine.tree}, batch schedule "
           f"{engine.batch_schedule()}), {args.max_tokens} tokens per request, greedy; references decoded alone")
 
-    peers = peer_deployments(args, manifest_of(args.engine)) if args.concurrency else []
+    peers = peer_deployments(args, engine.manifest or {}) if args.concurrency else []
     rows, servers, chaos_runs, chaos_seconds = [], {}, [], None
     with tmp, ExitStack() as running:
         kept = {}                           # peers that serve the whole run: started once, here
@@ -708,7 +698,7 @@ def main(argv=None) -> int:
                 try:
                     kept[p] = running.enter_context(PeerServer(p))
                 except ModelError as e:
-                    log_skip(p, e)
+                    left_out(p.name, e)
         peers = [p for p in peers if p.fresh or p in kept]
         try:
             for mode in modes:              # every deployment up at once (idle ones wait without using the CPU)

@@ -104,8 +104,9 @@ def vllm_peers(python: Path, target: Path, head: Path | None, slots: int, thread
     return out
 
 
-def log_skip(peer: Peer, err: Exception) -> None:
-    print(f"bench-serve: {peer.name} left out ({err})", file=sys.stderr, flush=True)
+def left_out(who: str, why) -> None:
+    """The one line that says a peer is not in this run, and why."""
+    print(f"bench-serve: {who} left out ({why})", file=sys.stderr, flush=True)
 
 
 def str_draft(d: Draft) -> str:

@@ -221,7 +221,6 @@ def _prune(graph: onnx.GraphProto) -> None:
         graph.node.extend(keep)
 
 
-
 def fuse_head_transposes(model: onnx.ModelProto, num_kv_heads: int) -> int:
     """Fewer layout copies around the heads (after export/row_attention.py's rewrite), returns Transposes removed:
 

@@ -92,8 +92,8 @@ def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None
 def _engine_rewrites(path: Path, heads: tuple[int, int, int]) -> Counter:
     """The rewrites every engine graph with attention gets: RoPE and skip + RMS norm fused (export/fuse.py), KV
     buffers written in place and row-independent attention (export/row_attention.py), then fewer layout copies
-    around the heads (export/fuse.py). They change the saved graph's
-    structure only: the weights (external data) are neither read nor rewritten. Returns the new graph's op counts."""
+    around the heads (export/fuse.py). They change the saved graph's structure only: the weights (external data)
+    are neither read nor rewritten. Returns the new graph's op counts."""
     model = onnx.load(str(path), load_external_data=False)
     fuse_rotary(model)
     fuse_skip_rms_norm(model)
