@@ -31,12 +31,35 @@ def has_tokenizer(folder: str | Path) -> bool:
     return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES[:3])
 
 
-def load_tokenizer(folder: str | Path | None):
-    """The folder's Hugging Face tokenizer, or None when it has none."""
+def load_tokenizer(folder: str | Path | None, resolved: str | None = None):
+    """The folder's Hugging Face tokenizer, or None when it has none. `resolved`: the tokenizer class AutoTokenizer
+    chose for these files when the engine was built (tokenizer_class), loaded directly: AutoTokenizer's own imports
+    (every model family's auto mappings) cost about 2 s of each start. A name that is not a tokenizer class of the
+    installed transformers falls back to AutoTokenizer."""
     if folder is None or not has_tokenizer(folder):
         return None
+    cls = _tokenizer_class(resolved) if resolved else None
+    if cls is not None:
+        return cls.from_pretrained(folder)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def tokenizer_class(folder: str | Path) -> str | None:
+    """The name of the class AutoTokenizer loads `folder` with, when load_tokenizer can load it by that name."""
+    tok = load_tokenizer(folder)
+    name = type(tok).__name__ if tok is not None else None
+    return name if name and _tokenizer_class(name) is type(tok) else None
+
+
+def _tokenizer_class(name: str):
+    """transformers' top-level tokenizer class of that name, else None (a manifest is data: nothing else loads)."""
+    import transformers
+    try:
+        cls = getattr(transformers, name)
+    except (AttributeError, ImportError, RuntimeError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase) else None
 
 
 def has_chat_template(tokenizer) -> bool:

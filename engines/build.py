@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
 from eaglex.base.fsio import check_out, staged
-from eaglex.base.prompts import TOKENIZER_FILES
+from eaglex.base.prompts import TOKENIZER_FILES, has_tokenizer, tokenizer_class
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
@@ -72,6 +72,10 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
     for src in (target_dir / f for f in CONFIG_FILES + TOKENIZER_FILES):
         if src.is_file():
             shutil.copy2(src, tmp / src.name)
+    try:
+        tok_class = tokenizer_class(tmp) if has_tokenizer(tmp) else None
+    except Exception as e:  # noqa: BLE001 - any loader failure: the engine could not be opened either
+        raise ModelError(f"{target_dir}: its tokenizer files do not load ({type(e).__name__}: {e})") from e
     files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
     kind = draft_section["kind"] if draft_section else None
     paths = {"target": target_dir, "draft": draft_dir}
@@ -82,6 +86,7 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
                    "top_logp": "float32", "attn_mask": "bool", "ids": "int64"},
         "target": target_section, "draft": draft_section,
         "method": default_method(kind),
+        "tokenizer_class": tok_class,            # what AutoTokenizer chose: the runtime loads it without AutoTokenizer
         # until `eaglex tune` (or `eaglex engine`) measures this machine: a short tree, the CPU's usual best
         "tree": str(TreeConfig()) if kind else None,
         "graphs": graphs, "files": files, "parity": parity,

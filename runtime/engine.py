@@ -187,7 +187,7 @@ def open_engine(path: str | Path, *, method: str | None = None, tree: TreeConfig
         backend = OrtBackend(p, draft_kind=draft_kind, providers=choose_providers(device, providers))
         m = backend.manifest
         return _engine(backend, p, m.get("method") or m.get("default_method"), manifest_tree(m), method, tree,
-                       "engine", p, tuned_vanilla(m))
+                       "engine", p, tuned_vanilla(m), m.get("tokenizer_class"))
     target = p / "target" if kind == "checkpoint" else p
     draft = p / "draft" if kind == "checkpoint" and (p / "draft").is_dir() else None
     if providers:
@@ -209,14 +209,16 @@ def open_models(target: str | Path, draft: str | Path | None = None, *, method: 
 
 
 def _engine(backend, tok_dir: Path, own_method: str | None, own_tree: TreeConfig | None, method: str | None,
-            tree: TreeConfig | None, kind: str, path: Path | None, own_vanilla: bool = False) -> Engine:
+            tree: TreeConfig | None, kind: str, path: Path | None, own_vanilla: bool = False,
+            tokenizer_class: str | None = None) -> Engine:
     """Resolve the method and tree: the caller's overrides, else the model's own. `own_vanilla`: tuning measured
-    vanilla faster than every tree, so vanilla is the model's own unless the caller asks for a method or a tree."""
+    vanilla faster than every tree, so vanilla is the model's own unless the caller asks for a method or a tree.
+    `tokenizer_class`: the class the build resolved for the folder's tokenizer (base.prompts.load_tokenizer)."""
     head = backend.draft_kind
     if method is not None and method not in METHODS:
         raise ModelError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if own_vanilla and method is None and tree is None and head is not None:
-        return Engine(backend, load_tokenizer(tok_dir), "vanilla", None, kind, path, own_tree or TreeConfig())
+        return Engine(backend, load_tokenizer(tok_dir, tokenizer_class), "vanilla", None, kind, path, own_tree or TreeConfig())
     chosen = method or own_method or default_method(head)
     if chosen != "vanilla":
         if head is None:
@@ -226,10 +228,10 @@ def _engine(backend, tok_dir: Path, own_method: str | None, own_tree: TreeConfig
             raise ModelError(f"method {chosen} needs an {_head_name(want)} head, but the draft is an "
                              f"{_head_name(head)} head: use method {'eagle3' if head == 'eagle3' else 'eagle2'}")
     if chosen == "vanilla":
-        return Engine(backend, load_tokenizer(tok_dir), "vanilla", None, kind, path)
+        return Engine(backend, load_tokenizer(tok_dir, tokenizer_class), "vanilla", None, kind, path)
     if tree is None:
         tree = TreeConfig.parse("static") if chosen == "eagle1" and method == "eagle1" else own_tree or TreeConfig()
-    return Engine(backend, load_tokenizer(tok_dir), chosen, tree, kind, path)
+    return Engine(backend, load_tokenizer(tok_dir, tokenizer_class), chosen, tree, kind, path)
 
 
 def _head_name(kind: str) -> str:

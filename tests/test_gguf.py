@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from eaglex.base.errors import ModelError  # noqa: E402
-from eaglex.base.prompts import encode  # noqa: E402
+from eaglex.base.prompts import encode, load_tokenizer  # noqa: E402
 from eaglex.models import gguf as G  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -205,6 +205,33 @@ def test_tokenizer_and_chat_template(tiny):
     assert text.startswith("<|im_start|>user\non the water<|im_end|>\n<|im_start|>assistant\n")
     assert got == tok(text, add_special_tokens=False)["input_ids"]
     assert got[0] == 1 and got.count(2) == 1
+
+
+def test_tokenizer_loads_by_the_class_its_engine_records_as_autotokenizer_loads_it(tiny, tmp_path):
+    """An engine records the tokenizer class AutoTokenizer resolves for its files; loading that class directly (no
+    AutoTokenizer imports) gives the same tokenizer. A name that is not a tokenizer class falls back."""
+    from transformers import AutoTokenizer
+
+    from eaglex.engines.build import build_engine
+    from eaglex.runtime.engine import open_engine
+    from eaglex.runtime.manifest import read_manifest
+
+    auto = AutoTokenizer.from_pretrained(tiny[1])
+    build_engine(tiny[1], None, tmp_path / "e", progress=False)
+    name = read_manifest(tmp_path / "e")["tokenizer_class"]
+    assert name == type(auto).__name__
+    texts = [" the weather", "on the water<|im_end|>\n", "<|im_start|>user\nhi", "ünï 🙂  x"]
+    chat = [{"role": "user", "content": "on the water"}]
+
+    def settings(tok):                       # what from_pretrained was given, less the folder it read
+        return {k: v for k, v in tok.init_kwargs.items() if k != "name_or_path"}
+    for tok in (open_engine(tmp_path / "e").tokenizer, load_tokenizer(tiny[1], name),
+                load_tokenizer(tiny[1], "AutoModel"), load_tokenizer(tiny[1], "no such class")):
+        assert type(tok) is type(auto) and settings(tok) == settings(auto)
+        assert [tok(t)["input_ids"] for t in texts] == [auto(t)["input_ids"] for t in texts]
+        assert encode({"messages": chat}, tok, True, "x") == encode({"messages": chat}, auto, True, "x")
+        assert (tok.all_special_ids, tok.eos_token_id, tok.chat_template) == \
+            (auto.all_special_ids, auto.eos_token_id, auto.chat_template)
 
 
 def test_existing_output_is_refused_then_overwritten(tiny, tmp_path):
