@@ -264,9 +264,12 @@ AIPERF_METRICS = {"time_to_first_token": ("ttft", ("p99", "avg")), "inter_token_
 
 def aiperf_command(aiperf: str, tokenizer: Path, port: int, concurrency: int, n: int, args, out: Path,
                    warmup: int = 1) -> list[str]:
-    """AIPerf's command line: n streamed greedy chat requests at `concurrency`, artifacts in `out`."""
+    """AIPerf's command line: n streamed greedy chat requests at `concurrency`, artifacts in `out`. Without AIPerf's
+    scraping of the server's /metrics (we read our own): one service fewer on a small host, whose missed heartbeats
+    under load void a whole run ("ProducerReaped")."""
     out.mkdir(parents=True, exist_ok=True)
     return [aiperf, "profile", "-m", "eaglex", "--tokenizer", str(tokenizer), "--endpoint-type", "chat",
+            "--no-server-metrics",
             "--streaming", "--url", f"127.0.0.1:{port}", "--concurrency", str(concurrency), "--request-count", str(n),
             "--random-seed", "123", "--synthetic-input-tokens-mean", str(args.aiperf_input_tokens),
             "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.max_tokens),

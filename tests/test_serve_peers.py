@@ -126,3 +126,18 @@ def test_peers_left_out_with_one_line(tmp_path, capsys):
     assert "llama-server left out" in err and "vLLM left out (no python at" in err
     args.llamacpp_server, args.vllm = "off", None
     assert bench_serve.peer_deployments(args, {}) == []
+
+
+def test_aiperf_command_streams_greedy_chat_without_scraping_metrics(tmp_path):
+    """AIPerf's command: streamed greedy chat at the row's concurrency, the server's own token counts, and no
+    /metrics scraping (an AIPerf service that under load on a small host voids the run)."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(aiperf_input_tokens=64, max_tokens=32)
+    cmd = bench_serve.aiperf_command("aiperf", tmp_path / "tok", 8123, 4, 12, args, tmp_path / "out")
+    flags = dict(zip(cmd, cmd[1:]))
+    assert cmd[:2] == ["aiperf", "profile"] and (tmp_path / "out").is_dir()
+    assert {"--no-server-metrics", "--streaming", "--use-server-token-count"} <= set(cmd)
+    assert (flags["--url"], flags["--concurrency"], flags["--request-count"]) == ("127.0.0.1:8123", "4", "12")
+    assert (flags["--extra-inputs"], flags["--output-tokens-mean"], flags["--endpoint-type"]) == \
+        ("temperature:0", "32", "chat")
