@@ -10,6 +10,7 @@ sizes each cycle's tree by the measured cost curve (runtime/cost.py): it is kept
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -184,16 +185,36 @@ def schedule_from(table: dict[int, dict[str, float]], margin: float = SCHEDULE_M
     does not clearly pay only risks running slower than vanilla), else vanilla, and vanilla from the first such B
     on at every larger size. Verification grows compute-bound with the batch, so a tree that lost to vanilla at B
     requests does not win at more; a later "win" in the table is noise, and following it would flip speculation on
-    and off as load moves."""
+    and off as load moves. Between two measured sizes a new choice starts where it overtakes the old one
+    (switch_point), not at the larger size: a server's requests in flight sit anywhere in between."""
     steps: list[tuple[int, TreeConfig | None]] = []
+    before = None
     for B in sorted(table):
         rates = table[B]
         trees = {k: v for k, v in rates.items() if k != "vanilla"}
         best = max(trees, key=trees.get, default=None)
         win = best is not None and trees[best] > (1 + margin) * rates.get("vanilla", 0.0)
         tree = TreeConfig.parse(best) if win else None
-        if not steps or steps[-1][1] != tree:
-            steps.append((1 if not steps else B, tree))
+        if not steps:
+            steps.append((1, tree))
+        elif steps[-1][1] != tree:
+            steps.append((switch_point(table, before, B, steps[-1][1], tree, margin), tree))
+        before = B
         if tree is None:
             break
     return Schedule(tuple(steps) or ((1, None),))
+
+
+def switch_point(table: dict[int, dict[str, float]], b0: int, b1: int, old: TreeConfig, new: TreeConfig | None,
+                 margin: float = SCHEDULE_MARGIN) -> int:
+    """The number of requests in flight from which `new` (the choice measured at b1; None = vanilla) replaces `old`
+    (the choice at b0 < b1): the first at which new's speed over old's, taken linear in log(requests) between the two
+    measurements, reaches 1 (against vanilla: old's lead falls to `margin`); b1 when a rate is missing."""
+    def ratio(b: int) -> float | None:
+        o, n = table[b].get(str(old)), table[b].get(str(new) if new else "vanilla")
+        return None if not o or n is None else n * (1 + margin if new is None else 1) / o
+    q0, q1 = ratio(b0), ratio(b1)
+    if q0 is None or q1 is None or q1 <= q0:
+        return b1
+    x = min(max((1 - q0) / (q1 - q0), 0.0), 1.0)
+    return min(max(math.ceil(b0 * (b1 / b0) ** x - 1e-9), b0 + 1), b1)

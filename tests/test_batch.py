@@ -194,14 +194,39 @@ def test_schedule_grammar():
      "1:chain:3,2:chain:1"),
     ({1: {"vanilla": 50, "chain:2": 40}, 2: {"vanilla": 70, "chain:2": 90}}, "1:vanilla"),
     ({1: {"vanilla": 40, "chain:2": 50}, 2: {"vanilla": 70, "chain:2": 90}}, "1:chain:2"),
-    # a lead within the margin (5 %) is not a win: 204 against 201 at 8 requests runs vanilla
-    ({1: {"vanilla": 40, "chain:2": 50}, 8: {"vanilla": 201, "chain:1": 204, "chain:2": 203}}, "1:chain:2,8:vanilla"),
+    # a lead within the margin (5 %) is not a win: 204 against 201 at 8 requests runs vanilla, from where chain:2's
+    # lead (1.25x at 1, 1.01x at 8), linear in log(requests), falls to the margin: 1.05 = 1.25 - 0.24 x at x = 0.83
+    ({1: {"vanilla": 40, "chain:2": 50}, 8: {"vanilla": 201, "chain:1": 204, "chain:2": 203}}, "1:chain:2,6:vanilla"),
+    # the default's fp32 tuning (2026-12-06): each change starts between the sizes that measured it
+    ({1: {"vanilla": 45.09, "chain:1": 67.76, "chain:2": 79.51, "dynamic:6/4/2": 96.96},
+      2: {"vanilla": 83.84, "chain:1": 119.52, "chain:2": 123.7, "dynamic:6/4/2": 135.59},
+      4: {"vanilla": 150.82, "chain:1": 187.43, "chain:2": 203.69, "dynamic:6/4/2": 177.09},
+      8: {"vanilla": 252.28, "chain:1": 281.45, "chain:2": 266.18},
+      16: {"vanilla": 355.86, "chain:1": 311.98, "chain:2": 280.12}},
+     "1:dynamic:6/4/2,3:chain:2,6:chain:1,10:vanilla"),
     ({1: {"vanilla": 100, "chain:2": 105}}, "1:vanilla"),
     ({1: {"vanilla": 100, "chain:2": 105.1}}, "1:chain:2"),
     ({1: {"vanilla": 40}}, "1:vanilla"),
 ])
 def test_schedule_from_a_measured_table(table, expected):
     assert str(schedule_from(table)) == expected
+
+
+@pytest.mark.parametrize("table, b0, b1, old, new, expected", [
+    # new overtakes old halfway in log(requests) between 4 and 16: from 8
+    ({4: {"chain:2": 100, "chain:1": 90}, 16: {"chain:2": 100, "chain:1": 110}}, 4, 16, "chain:2", "chain:1", 8),
+    # vanilla takes over where the tree's lead falls to the margin: q = 1.05 v / tree, 0.75 at 8, 1.25 at 16
+    ({8: {"vanilla": 100, "chain:1": 140}, 16: {"vanilla": 100, "chain:1": 84}}, 8, 16, "chain:1", None, 12),
+    ({8: {"vanilla": 100, "chain:1": 105.01}, 16: {"vanilla": 100, "chain:1": 50}}, 8, 16, "chain:1", None, 9),
+    ({1: {"vanilla": 40, "chain:2": 50}, 2: {"vanilla": 90, "chain:2": 80}}, 1, 2, "chain:2", None, 2),
+    # a rate not measured at one of the sizes (a wide tree after it lost): the larger size, as measured
+    ({4: {"vanilla": 100, "dynamic:6/4/2": 140}, 8: {"vanilla": 100, "chain:1": 90}}, 4, 8, "dynamic:6/4/2", None, 8),
+    ({4: {"chain:2": 100}, 8: {"chain:2": 100, "chain:1": 120}}, 4, 8, "chain:2", "chain:1", 8),
+])
+def test_a_new_choice_starts_where_it_overtakes_the_old(table, b0, b1, old, new, expected):
+    from eaglex.runtime.autotune import switch_point
+    got = switch_point(table, b0, b1, TreeConfig.parse(old), TreeConfig.parse(new) if new else None)
+    assert got == expected and b0 < got <= b1
 
 
 WIDE = tuple(TreeConfig.parse(t) for t in ("dynamic:12/6/4", "dynamic:6/4/2"))
@@ -213,11 +238,11 @@ WIDE = tuple(TreeConfig.parse(t) for t in ("dynamic:12/6/4", "dynamic:6/4/2"))
       2: {"vanilla": 70, "chain:2": 90, "dynamic:12/6/4": 80, "dynamic:6/4/2": 95},
       4: {"vanilla": 120, "chain:2": 150, "dynamic:12/6/4": 100, "dynamic:6/4/2": 140},
       8: {"vanilla": 200, "chain:2": 240}, 16: {"vanilla": 300, "chain:2": 290}},
-     None, {1: 4, 2: 4, 4: 4, 8: 2, 16: 2}, "1:dynamic:12/6/4,2:dynamic:6/4/2,4:chain:2,16:vanilla"),
+     None, {1: 4, 2: 4, 4: 4, 8: 2, 16: 2}, "1:dynamic:12/6/4,2:dynamic:6/4/2,3:chain:2,13:vanilla"),
     # a chain fastest alone: the trees are measured with one request only
     ({1: {"vanilla": 40, "chain:2": 60, "dynamic:12/6/4": 50, "dynamic:6/4/2": 55},
       2: {"vanilla": 70, "chain:2": 90}, 4: {"vanilla": 120, "chain:2": 110}},
-     None, {1: 4, 2: 2, 4: 2}, "1:chain:2,4:vanilla"),
+     None, {1: 4, 2: 2, 4: 2}, "1:chain:2,3:vanilla"),
     # vanilla fastest alone: nothing larger is measured
     ({1: {"vanilla": 60, "chain:2": 50, "dynamic:12/6/4": 40, "dynamic:6/4/2": 45}}, None, {1: 4}, "1:vanilla"),
     # an engine exact with chains only never runs the dynamic trees
