@@ -20,6 +20,8 @@ large capacity costs address space, not memory.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnxruntime as ort
 import torch
@@ -31,6 +33,22 @@ from .backend import SlotCounts
 NARROW = 0.5   # narrow the buffers when the slots in use fall to this fraction of their width (fit)
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+
+@functools.cache
+def _eye(n: int) -> np.ndarray:
+    """[n, n] bool identity, made once per n (a mask is built for every forward)."""
+    e = np.eye(n, dtype=bool)
+    e.flags.writeable = False
+    return e
+
+
+@functools.cache
+def _causal(n: int) -> np.ndarray:
+    """[n, n] bool lower triangle, made once per n."""
+    c = np.tril(np.ones((n, n), dtype=bool))
+    c.flags.writeable = False
+    return c
 
 
 def kv_names(layers: int) -> list[str]:
@@ -120,12 +138,13 @@ class SlotRows(SlotCounts):
         something; nothing sees them, and they are rolled back."""
         B = rows.stop - rows.start
         attn = np.zeros((B + dummies, 1, N, P + N), dtype=bool)
-        attn[B:, 0, :, P:] = np.eye(N, dtype=bool)
+        if dummies:
+            attn[B:, 0, :, P:] = _eye(N)
         attn, full = attn[:B], attn
         cols = np.arange(P)
         if mask is None:
             attn[:, 0, :, :P] = (cols < np.array(own)[:, None])[:, None, :]
-            attn[:, 0, :, P:] = np.tril(np.ones((N, N), dtype=bool))
+            attn[:, 0, :, P:] = _causal(N)
             return full
         m = mask.numpy() if hasattr(mask, "numpy") else np.asarray(mask)
         pend = m.shape[-1] - N
