@@ -218,7 +218,8 @@ def _engine(backend, tok_dir: Path, own_method: str | None, own_tree: TreeConfig
     if method is not None and method not in METHODS:
         raise ModelError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if own_vanilla and method is None and tree is None and head is not None:
-        return Engine(backend, load_tokenizer(tok_dir, tokenizer_class), "vanilla", None, kind, path, own_tree or TreeConfig())
+        return Engine(backend, load_tokenizer(tok_dir, tokenizer_class), "vanilla", None, kind, path,
+                      own_tree or TreeConfig())
     chosen = method or own_method or default_method(head)
     if chosen != "vanilla":
         if head is None:
