@@ -35,20 +35,20 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
-@functools.cache
-def _eye(n: int) -> np.ndarray:
-    """[n, n] bool identity, made once per n (a mask is built for every forward)."""
-    e = np.eye(n, dtype=bool)
-    e.flags.writeable = False
-    return e
+MASK_CACHE_ROWS = 64   # square masks kept for forwards of at most this many rows (decode steps and trees)
 
 
 @functools.cache
-def _causal(n: int) -> np.ndarray:
-    """[n, n] bool lower triangle, made once per n."""
-    c = np.tril(np.ones((n, n), dtype=bool))
-    c.flags.writeable = False
-    return c
+def _kept_squares(n: int) -> tuple[np.ndarray, np.ndarray]:
+    eye, causal = np.eye(n, dtype=bool), np.tril(np.ones((n, n), dtype=bool))
+    eye.flags.writeable = causal.flags.writeable = False
+    return eye, causal
+
+
+def _squares(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """([n, n] bool identity, [n, n] lower triangle): made once per n for decode and tree forwards, which build a
+    mask every step; made fresh for a prefill's n, so that no prompt length stays in memory."""
+    return _kept_squares(n) if n <= MASK_CACHE_ROWS else _kept_squares.__wrapped__(n)
 
 
 def kv_names(layers: int) -> list[str]:
@@ -139,12 +139,12 @@ class SlotRows(SlotCounts):
         B = rows.stop - rows.start
         attn = np.zeros((B + dummies, 1, N, P + N), dtype=bool)
         if dummies:
-            attn[B:, 0, :, P:] = _eye(N)
+            attn[B:, 0, :, P:] = _squares(N)[0]
         attn, full = attn[:B], attn
         cols = np.arange(P)
         if mask is None:
             attn[:, 0, :, :P] = (cols < np.array(own)[:, None])[:, None, :]
-            attn[:, 0, :, P:] = _causal(N)
+            attn[:, 0, :, P:] = _squares(N)[1]
             return full
         m = mask.numpy() if hasattr(mask, "numpy") else np.asarray(mask)
         pend = m.shape[-1] - N
