@@ -31,6 +31,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* qsu
   const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
   __m256 xv[4], amax = _mm256_setzero_ps();
   __m256i bad = _mm256_setzero_si256();
+  #pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     xv[i] = _mm256_loadu_ps(x + 8 * i);
     const __m256i a = _mm256_and_si256(_mm256_castps_si256(xv[i]), abs_mask);
@@ -50,6 +51,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* qsu
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   alignas(32) int32_t v[kBlock];
   __m256i sum = _mm256_setzero_si256();
+  #pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     __m256i iv = _mm256_cvtps_epi32(_mm256_div_ps(xv[i], dv));   // MXCSR rounding: half to even
     iv = _mm256_min_epi32(_mm256_max_epi32(iv, lo), hi);
@@ -75,6 +77,7 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* rec = wt + b * kRecord;
     alignas(32) int16_t q16[R][kBlock];
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int8_t* q = a.q + ((r0 + i) * Kb + b) * kBlock;
       _mm256_store_si256(reinterpret_cast<__m256i*>(q16[i]),
@@ -83,21 +86,28 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
     }
     __m256i z[R][4];
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i)
+      #pragma GCC unroll 16
       for (int p = 0; p < 4; ++p) z[i][p] = _mm256_setzero_si256();
+    #pragma GCC unroll 16
     for (int j = 0; j < 8; ++j) {
       __m256i wz[4];
+      #pragma GCC unroll 16
       for (int p = 0; p < 4; ++p)
         wz[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 64 + p * 16)));
+      #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         int64_t qv;
         std::memcpy(&qv, q16[i] + 4 * j, 8);
         const __m256i xq = _mm256_set1_epi64x(qv);
+        #pragma GCC unroll 16
         for (int p = 0; p < 4; ++p) z[i][p] = _mm256_add_epi32(z[i][p], _mm256_madd_epi16(wz[p], xq));
       }
     }
     const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + b * kTile)));
     const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + b * kTile + 8)));
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int64_t rb = (r0 + i) * Kb + b;
       const __m256i offset = _mm256_set1_epi32(128 * a.qsum[rb]);
@@ -110,10 +120,12 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
       _mm256_store_ps(acc[i] + 8, _mm256_add_ps(_mm256_load_ps(acc[i] + 8), u_hi));
     }
   }
+  #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     _mm256_store_ps(acc[i], canonical(_mm256_load_ps(acc[i])));
     _mm256_store_ps(acc[i] + 8, canonical(_mm256_load_ps(acc[i] + 8)));
   }
+  #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) std::memcpy(y + (r0 + i) * N, acc[i], size_t(cols) * sizeof(float));
 }
 
@@ -121,23 +133,30 @@ template <int T, int R>
 inline void f32_tiles_rows(const float* x, int64_t r0, int64_t K, const float* wt, float* y, int64_t N,
                            int64_t last_cols) {
   __m256 acc[T][R][2];
+  #pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) acc[t][i][0] = acc[t][i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m256 wv[T][2];
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       wv[t][0] = _mm256_loadu_ps(wt + (t * K + k) * kTile);
       wv[t][1] = _mm256_loadu_ps(wt + (t * K + k) * kTile + 8);
     }
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const __m256 xv = _mm256_set1_ps(x[(r0 + i) * K + k]);
+      #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
         acc[t][i][0] = _mm256_fmadd_ps(wv[t][0], xv, acc[t][i][0]);
         acc[t][i][1] = _mm256_fmadd_ps(wv[t][1], xv, acc[t][i][1]);
       }
     }
   }
+  #pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       alignas(32) float out[kTile];
       _mm256_store_ps(out, canonical(acc[t][i][0]));

@@ -60,15 +60,19 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
                     __mmask16 cols, bool prefetch) {
   const int64_t Kb = a.blocks;
   __m512 acc[R];
+  #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* rec = wt + b * kRecord;
     if (prefetch)
+      #pragma GCC unroll 16
       for (int l = 0; l < kRecord; l += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + l),
                                                          _MM_HINT_T1);
     __m512i wv[8];
+    #pragma GCC unroll 16
     for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(rec + j * 64);
     const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kTile)));
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int64_t rb = (r0 + i) * Kb + b;
       const int8_t* q = a.q + rb * kBlock;
@@ -85,6 +89,7 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
       acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(sd, _mm512_cvtepi32_ps(dot)));
     }
   }
+  #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * N, cols, canonical(acc[i]));
 }
 
@@ -92,17 +97,24 @@ template <int T, int R>
 inline void f32_tiles_rows(const float* x, int64_t r0, int64_t K, const float* wt, float* y, int64_t N,
                            __mmask16 last_cols) {
   __m512 acc[T][R];
+  #pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) acc[t][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[T];
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) wv[t] = _mm512_loadu_ps(wt + (t * K + k) * kTile);
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const __m512 xv = _mm512_set1_ps(x[(r0 + i) * K + k]);
+      #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) acc[t][i] = _mm512_fmadd_ps(wv[t], xv, acc[t][i]);
     }
   }
+  #pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
+    #pragma GCC unroll 16
     for (int i = 0; i < R; ++i)
       _mm512_mask_storeu_ps(y + (r0 + i) * N + t * kTile, t == T - 1 ? last_cols : __mmask16(0xffff),
                             canonical(acc[t][i]));
