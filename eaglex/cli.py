@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     bld.add_argument("--out", type=Path, required=True, help="engine folder to write, e.g. engines/NAME")
     bld.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     bld.add_argument("--force", action="store_true", help="replace an existing engine folder")
+    bld.add_argument("--kernels", choices=("auto", "eaglex", "stock"), default="auto",
+                     help="onnxruntime: eaglex's batch-invariant linear-layer kernels (LinearF32, int8 LinearQ8; "
+                          "faster at every row count) or ONNX Runtime's stock ops (MatMul, MatMulNBits); auto: "
+                          "eaglex's where its kernel library is built here (`make setup`). The manifest records it")
     q = bld.add_argument_group("quantization")
     q.add_argument("--quant", choices=("fp8", "int8", "int4", "w8a8"),
                    help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime; exact with chain trees, one request at "
@@ -650,7 +654,8 @@ def cmd_build(args) -> int:
     if args.quant == "fp8" and args.calibrated is None:   # fail before the (long) float build
         raise ModelError("--quant fp8 needs calibrated scales: run `eaglex calibrate --target DIR --out CAL` and "
                          "pass --calibrated CAL")
-    manifest = build_engine(args.target, args.draft, args.out, args.backend, args.dtype, args.force)
+    manifest = build_engine(args.target, args.draft, args.out, args.backend, args.dtype, args.force,
+                            kernels=args.kernels)
     if args.quant is not None:
         from eaglex.engines.quantize import quantize_engine
         manifest = quantize_engine(args.out, args.quant, args.calibrated, draft=args.quant_draft,

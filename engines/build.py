@@ -31,30 +31,48 @@ from eaglex.base.prompts import TOKENIZER_FILES, has_tokenizer, tokenizer_class
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
+KERNELS = ("auto", "eaglex", "stock")     # auto: eaglex's kernels where the library is built here, else stock ops
 DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOOLS = ("eaglex", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy")
 
 
 def build_engine(target_dir, draft_dir, out_dir, backend: str = "onnxruntime", dtype: str = "float32",
-                 force: bool = False, progress: bool = True) -> dict:
-    """Build the engine folder `out_dir`; returns its manifest. Bad input raises a one-line ModelError."""
+                 force: bool = False, progress: bool = True, kernels: str = "auto") -> dict:
+    """Build the engine folder `out_dir`; returns its manifest. `kernels`: eaglex's linear layers (the kernel
+    library, runtime/kernels.py) or ONNX Runtime's stock ops; auto takes eaglex's where the library is built.
+    Bad input raises a one-line ModelError."""
     t0 = time.perf_counter()
     if backend not in BACKENDS:
         raise ModelError(f"backend {backend!r} cannot be built yet; choose {', '.join(BACKENDS)}")
     if dtype not in DTYPES:
         raise ModelError(f"dtype {dtype!r} is not available for ONNX Runtime engines; choose {' or '.join(DTYPES)}")
+    use_kernels = _use_kernels(kernels, dtype)
     target_dir, out = Path(target_dir), Path(out_dir)
     draft_dir = Path(draft_dir) if draft_dir is not None else None
     check_out(out, force, (MANIFEST,), "an engine folder")
     with staged(out) as tmp:
-        manifest = _build(target_dir, draft_dir, tmp, dtype, progress)
+        manifest = _build(target_dir, draft_dir, tmp, dtype, progress, use_kernels)
         manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
         write_manifest(tmp, manifest)
     return manifest
 
 
-def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, progress: bool) -> dict:
+def _use_kernels(kernels: str, dtype: str) -> bool:
+    from eaglex.runtime import kernels as library
+
+    if kernels not in KERNELS:
+        raise ModelError(f"--kernels {kernels!r}: choose {', '.join(KERNELS)}")
+    if kernels == "stock" or (kernels == "auto" and (dtype != "float32" or not library.available())):
+        return False
+    if dtype != "float32":
+        raise ModelError(f"eaglex's kernels take float32 engines; build {dtype} with --kernels stock")
+    library.require("--kernels eaglex needs eaglex's kernel library")
+    return True
+
+
+def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, progress: bool,
+           use_kernels: bool = False) -> dict:
     from eaglex.export.onnx_export import OPSET
     from eaglex.runtime.types import TreeConfig
 
@@ -66,6 +84,8 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
 
     target_section, draft_section, graphs, references = _export(target_dir, draft_dir, tmp, dtype, meta, progress)
     _release_memory()                          # torch's weights are gone before ORT loads its own copy
+    if use_kernels:
+        _on_kernels(tmp, graphs, progress)
     parity = _check(tmp, graphs, references, dtype, progress, lambda: _float64_references(
         target_dir, target_section["features"], target_section["feature_layers"]))
 
@@ -86,6 +106,7 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
                    "top_logp": "float32", "attn_mask": "bool", "ids": "int64"},
         "target": target_section, "draft": draft_section,
         "method": default_method(kind),
+        "kernels": kernels_record(graphs),
         "tokenizer_class": tok_class,            # what AutoTokenizer chose: the runtime loads it without AutoTokenizer
         # until `eaglex tune` (or `eaglex engine`) measures this machine: a short tree, the CPU's usual best
         "tree": str(TreeConfig()) if kind else None,
@@ -131,6 +152,38 @@ def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: 
                              "nodes": sum(res.nodes.values()), "ops": dict(sorted(res.nodes.items())),
                              "export_seconds": round(res.seconds, 2)}
     return target_section, draft_section, graphs, references
+
+
+def _on_kernels(tmp: Path, graphs: dict, progress: bool) -> None:
+    """Each graph's float MatMuls as eaglex.LinearF32 over packed weights (export/kernel_graphs.py), in place."""
+    from collections import Counter
+
+    import onnx
+
+    from eaglex.export.kernel_graphs import to_kernel_f32
+    from eaglex.export.quant_graphs import save_graph
+
+    for name in tqdm(list(graphs), desc="kernels", unit="graph", disable=not progress, file=sys.stderr):
+        path = tmp / graphs[name]["file"]
+        model = onnx.load(str(path))
+        to_kernel_f32(model)
+        for f in graphs[name]["files"]:
+            (tmp / f).unlink()
+        files = save_graph(model, path)
+        ops = Counter(n.op_type for n in model.graph.node)
+        graphs[name].update(files=[f.name for f in files], nodes=sum(ops.values()), ops=dict(sorted(ops.items())))
+        del model
+        _release_memory()
+
+
+def kernels_record(graphs: dict) -> dict | None:
+    """The manifest's `kernels`: the eaglex ops the graphs use and the library version they need; None when every
+    graph runs on ONNX Runtime's stock ops."""
+    from eaglex.runtime.kernels import DOMAIN, VERSION
+
+    ops = {op: sum(g["ops"].get(op, 0) for g in graphs.values()) for op in ("LinearF32", "LinearQ8")}
+    ops = {op: n for op, n in ops.items() if n}
+    return {"domain": DOMAIN, "version": VERSION, "ops": ops} if ops else None
 
 
 def _check(tmp: Path, graphs: dict, references: dict, dtype: str, progress: bool, float64_references=None) -> dict:

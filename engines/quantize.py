@@ -44,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
+from eaglex.engines.build import kernels_record
 from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROW_INDEPENDENT_KEYS
 from eaglex.models.target import causal_mask
@@ -57,6 +58,8 @@ FORMATS = {
     "fp8": "ONNX QuantizeLinear/DequantizeLinear float8e4m3fn (opset 23): FP8 weights (DQ), static per-tensor "
            "activation Q/DQ; lm_head and embeddings float",
     "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
+    "q8": "eaglex::LinearQ8: int8 weights in blocks of 32, fp16 scales (Q8_0), int8 activations per row and block"
+          + _ROWS,
     "int4": "com.microsoft::MatMulNBits bits=4 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
     "w8a8": "MatMulInteger uint8 x int8: weights int8 per output channel, activations int8 per row (dynamic)" + _ROWS,
 }
@@ -102,9 +105,11 @@ def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool 
     spec = m["target"]["spec"]
     heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
 
+    on_kernels = bool(m.get("kernels"))
+
     def quantize(g: str, src: Path, dst: Path):
         return _quantize_graph(quant, src, dst, scales.get("draft" if g != "target" else "target"),
-                               heads if g == "target" else None)
+                               heads if g == "target" else None, on_kernels)
 
     def finish(tmp: Path, reports: dict) -> dict:
         manifest = _updated_manifest(m, tmp, quant, reports, source, target_parity(engine, tmp, m), draft)
@@ -116,8 +121,6 @@ def quantize_engine(engine_dir, quant: str, calibrated_dir=None, *, draft: bool 
 def quantize_draft(engine_dir, progress: bool = True) -> dict:
     """Quantize only the draft graphs of the float engine folder `engine_dir` (int8 MatMulNBits) in place; returns
     its new manifest, whose `draft_quant` records it. The target stays float, so nothing about exactness changes."""
-    from eaglex.export.quant_graphs import nbits_weight_only
-
     t0 = time.perf_counter()
     engine = Path(engine_dir)
     m = read_manifest(engine)
@@ -131,9 +134,11 @@ def quantize_draft(engine_dir, progress: bool = True) -> dict:
                          "--force` first")
     verify_files(engine, m)
 
+    on_kernels = bool(m.get("kernels"))
+
     def finish(tmp: Path, reports: dict) -> dict:
         out = _with_files(m, tmp, reports)
-        out["draft_quant"] = {"method": "int8", "format": FORMATS["int8"],
+        out["draft_quant"] = {"method": "int8", "format": FORMATS["q8" if on_kernels else "int8"],
                               "graphs": {g: r.to_json() for g, r in reports.items()},
                               "bytes_before": sum(r.bytes_before for r in reports.values()),
                               "bytes_after": sum(r.bytes_after for r in reports.values()),
@@ -142,7 +147,7 @@ def quantize_draft(engine_dir, progress: bool = True) -> dict:
             out.pop(key, None)
         return out
     return _rewrite(engine, m, _draft_graphs(m), "quantize draft int8",
-                    lambda g, src, dst: nbits_weight_only(src, dst, 8, EXCLUDE["int8"]), finish, progress)
+                    lambda g, src, dst: _int8(src, dst, None, on_kernels), finish, progress)
 
 
 def draft_quant_line(m: dict) -> str:
@@ -224,17 +229,30 @@ def _source(folder, qc: dict) -> dict:
             "report": str(report) if report.is_file() else None}
 
 
-def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, int, int] | None):
+def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, int, int] | None,
+                    on_kernels: bool = False):
     """`heads` (query heads, KV heads, head dim) for the target graph: its attention is made row-independent. The
-    draft's stays fused (faster): the draft only proposes, its numerics never reach the output."""
+    draft's stays fused (faster): the draft only proposes, its numerics never reach the output. `on_kernels`: the
+    float engine was built on eaglex's kernels, so int8 layers take eaglex.LinearQ8 (faster than MatMulNBits at
+    every row count: docs/step.md)."""
     from eaglex.export.quant_graphs import fp8_qdq, nbits_weight_only, rowwise_int8
     if quant == "fp8":
         return fp8_qdq(src, dst, scales, exclude=EXCLUDE["fp8"])
     if quant == "w8a8" and heads is None:       # the draft: only proposes, int8 weight-only suits it
-        return nbits_weight_only(src, dst, 8, EXCLUDE["int8"])
+        return _int8(src, dst, None, on_kernels)
     if quant == "w8a8":
         return rowwise_int8(src, dst, EXCLUDE[quant], row_attention=heads, act_max=scales)
+    if quant == "int8":
+        return _int8(src, dst, heads, on_kernels)
     return nbits_weight_only(src, dst, NBITS[quant], EXCLUDE[quant], row_attention=heads)
+
+
+def _int8(src: Path, dst: Path, heads: tuple[int, int, int] | None, on_kernels: bool):
+    """int8 weights: eaglex.LinearQ8 on a kernel engine, else MatMulNBits 8-bit."""
+    from eaglex.export.quant_graphs import nbits_weight_only, q8_linear
+    if on_kernels:
+        return q8_linear(src, dst, EXCLUDE["int8"], row_attention=heads)
+    return nbits_weight_only(src, dst, 8, EXCLUDE["int8"], row_attention=heads)
 
 
 def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: dict, parity: dict,
@@ -242,7 +260,8 @@ def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: 
     out = _with_files(m, folder, reports)
     weights = {"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4", "w8a8": "int8"}[quant]
     out["dtypes"] = dict(m["dtypes"], weights=weights)
-    out["quant"] = {"method": quant, "format": FORMATS[quant], "draft_quantized": draft,
+    q8 = quant == "int8" and "LinearQ8" in ((out.get("kernels") or {}).get("ops") or {})
+    out["quant"] = {"method": quant, "format": FORMATS["q8" if q8 else quant], "draft_quantized": draft,
                     "graphs": {g: r.to_json() for g, r in reports.items()},
                     "bytes_before": sum(r.bytes_before for r in reports.values()),
                     "bytes_after": sum(r.bytes_after for r in reports.values()),
@@ -270,6 +289,7 @@ def _with_files(m: dict, folder: Path, reports: dict) -> dict:
         out["graphs"][g].update(files=list(r.files), nodes=sum(ops.values()), ops=dict(sorted(ops.items())))
     out["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                     for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST}
+    out["kernels"] = kernels_record(out["graphs"])
     return out
 
 

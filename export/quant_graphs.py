@@ -51,6 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 from eaglex.base.errors import ModelError
 
 from .fuse import FUSED, fuse_sibling_matmuls
+from .kernel_graphs import to_kernel_f32, to_kernel_q8, to_stock
 from .onnx_export import EXTERNAL_DATA_ABOVE
 from .row_attention import check_row_independent
 
@@ -103,10 +104,22 @@ def _files_of(path: Path) -> list[Path]:
 
 
 def _load(path: Path) -> onnx.ModelProto:
+    """The graph with its float linear layers as stock MatMuls (an engine built on eaglex's kernels holds them as
+    eaglex.LinearF32: turned back bit for bit), so that every pass here reads one form."""
     try:
-        return onnx.load(str(path))                 # reads `<name>.onnx.data` next to it, if the graph uses it
+        model = onnx.load(str(path))                # reads `<name>.onnx.data` next to it, if the graph uses it
     except Exception as e:  # noqa: BLE001 - protobuf/IO errors: a missing or corrupt file, said in one line
         raise ModelError(f"cannot read ONNX graph {path}: {str(e).splitlines()[0][:200]}") from None
+    try:
+        to_stock(model)
+    except ValueError as e:
+        raise ModelError(f"{path.name}: {e}; rebuild the float engine with `eaglex build --force` first") from None
+    return model
+
+
+def save_graph(model: onnx.ModelProto, out_path: Path) -> list[Path]:
+    """Save with external data above the exporter's threshold; returns the files written."""
+    return _save(model, out_path)
 
 
 def _save(model: onnx.ModelProto, out_path: Path) -> list[Path]:
@@ -289,6 +302,25 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
         raise ModelError(f"{onnx_path.name}: MatMulNBits replaced {len(quantized)} of {nodes} MatMuls")
     files = _save(out, out_path)
     return QuantReport(f"int{bits}", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+
+
+def q8_linear(onnx_path, out_path, exclude: tuple[str, ...] = (),
+              row_attention: tuple[int, int, int] | None = None) -> QuantReport:
+    """Every MatMul with a constant 2-D float weight becomes eaglex.LinearQ8 (export/kernel_graphs.py: Q8_0's
+    numbers, blocks of 32 along K, fp16 scales, int8 activations per row and block); siblings reading one input
+    are fused first, so that q|k|v and gate|up quantize their input once. Modules matching a regex in `exclude`
+    stay float, on eaglex.LinearF32. `row_attention` as for nbits_weight_only."""
+    onnx_path, out_path = Path(onnx_path), Path(out_path)
+    before = _bytes(_files_of(onnx_path))
+    model, apart = _fused_graph(onnx_path, exclude, row_attention)
+    names = to_kernel_q8(model, keep=apart)
+    if not names:
+        raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
+    to_kernel_f32(model)
+    quantized = [module_name(part) or part for w in names for part in w.split(FUSED)]
+    skipped = [module_name(part) or part for w in apart for part in w.split(FUSED)]
+    files = _save(model, out_path)
+    return QuantReport("int8", tuple(quantized), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
 
 
 # ------------------------------------------------------------------------------------------------------ w8a8

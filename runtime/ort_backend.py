@@ -31,6 +31,7 @@ import torch
 
 from eaglex.base.errors import ModelError
 
+from . import kernels
 from .backend import SlotBackend
 from .manifest import HASH_LIMIT, read_manifest, target_spec, verify_files
 from .ort_cache import NP_DTYPES, SlotRows, kv_names
@@ -82,6 +83,8 @@ class OrtBackend(SlotBackend):
                           "(run `eaglex check`); an int8 engine (--quant int8) is safe on any CPU",
                           RuntimeWarning, stacklevel=2)
         self.kv_device = provider_device(self.providers)
+        if m.get("kernels"):
+            kernels.require(f"engine {engine_dir} runs on eaglex's kernels")
         open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name, self.providers)
                  for name, g in m["graphs"].items()}
         self.target_sess = open_["target"]

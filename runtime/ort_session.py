@@ -19,6 +19,8 @@ import onnxruntime as ort
 
 from eaglex.base.errors import ModelError
 
+from . import kernels
+
 _pool_threads: int | None = None
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 
@@ -88,6 +90,7 @@ def session_options() -> ort.SessionOptions:
     # numbers stay the checkpoint's: DequantizeLinear is exact and the activation Q/DQ pairs stay; the QDQ passes
     # this turns off (Q/DQ propagation, fusions into int8 kernels) change nothing in FP8 or MatMulNBits graphs.
     so.add_session_config_entry("session.disable_quant_qdq", "1")
+    kernels.register(so)                # eaglex's ops, for engines built on them (runtime/kernels.py)
     return so
 
 
@@ -136,6 +139,8 @@ def open_session(path: Path, engine_id: str, graph: str, providers: list | None 
     providers = providers or ["CPUExecutionProvider"]
     try:
         sess = ort.InferenceSession(str(path), session_options(), providers=providers)
+    except ModelError:
+        raise
     except Exception as e:  # noqa: BLE001 - ORT raises its own types for a truncated or garbled protobuf
         raise ModelError(f"engine file {path} cannot be loaded ({str(e).splitlines()[0][:200]}): it is corrupt; "
                          "rebuild the engine with `eaglex build --force`") from None

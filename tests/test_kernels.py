@@ -1,0 +1,255 @@
+"""eaglex's kernel library through ONNX Runtime, as engines use it (runtime/kernels.py, export/kernel_graphs.py):
+each op equals a numpy reference of its arithmetic; every row is bit-identical to itself computed alone, for
+M = 1..16 and any mix of rows; every ISA path gives the same bits; odd shapes, no rows, NaN / inf / denormal
+inputs; bad inputs are refused with an error. Engines built on the kernels: in engine tests elsewhere (the build
+takes the kernels wherever the library is built) and here (stock vs kernels, ISA paths, a missing library)."""
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from eaglex.base.errors import ModelError
+from eaglex.export import kernel_graphs as kg
+from eaglex.runtime import kernels
+
+REPO = Path(__file__).resolve().parents[1]
+needs_library = pytest.mark.skipif(not kernels.available(), reason="the kernel library is not built (make kernels)")
+ISAS = ["portable", "avx2", "avx512"]
+
+
+def runnable_isas(monkeypatch) -> list[str]:
+    out = []
+    for isa in ISAS:
+        monkeypatch.setenv("EAGLEX_ISA", isa)
+        try:
+            kernels.isa()
+            out.append(isa)
+        except ModelError:
+            pass
+    monkeypatch.delenv("EAGLEX_ISA")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- numpy references
+
+def q8_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray, N: int) -> np.ndarray:
+    """The LinearQ8 arithmetic in numpy float32: rows quantized per block of 32 (d = amax / 127, round half to
+    even, clamp +-127; d = 0 gives q = 0; a non-finite block gives d = NaN, q = 0), y = y + (s * d) * dot per
+    block in order; NaN outputs as the quiet NaN."""
+    M, K = x.shape
+    Kp, Np = q.shape
+    xp = np.zeros((M, Kp), np.float32)
+    xp[:, :K] = x
+    xb = xp.reshape(M, -1, 32)
+    finite = np.isfinite(xb).all(-1)
+    amax = np.abs(np.where(np.isfinite(xb), xb, 0)).max(-1)
+    d = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xq = np.where((d > 0)[..., None], np.rint(xb / np.where(d > 0, d, 1)[..., None]), 0)
+    xq = np.clip(xq, -127, 127).astype(np.int32)
+    wq = q.reshape(-1, 32, Np).astype(np.int32)                       # [Kb, 32, Np]
+    y = np.zeros((M, Np), np.float32)
+    for b in range(wq.shape[0]):
+        dot = (xq[:, b, :] @ wq[b]).astype(np.float32)                 # exact: |dot| < 2^24
+        sd = scales[b].astype(np.float32)[None, :] * d[:, b:b + 1]
+        with np.errstate(invalid="ignore", over="ignore"):
+            y = y + sd * dot
+    return y[:, :N]
+
+
+def f32_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """One FMA chain per output over k in order, y = fma(x_k, w_k, y), from 0: in 80-bit extended precision the
+    product is exact and the sum rounds once before float32 (a double rounding differs from the FMA only for
+    ties at 2^-40 odds, which these random inputs do not hit)."""
+    x, w = x.astype(np.longdouble), w.astype(np.longdouble)
+    y = np.zeros((x.shape[0], w.shape[1]), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for k in range(w.shape[0]):
+            y = (y.astype(np.longdouble) + x[:, k:k + 1] * w[k][None, :]).astype(np.float32)
+    return y
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-identical, NaN for NaN."""
+    return a.shape == b.shape and np.array_equal(np.isnan(a), np.isnan(b)) and \
+        np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))
+
+
+# ----------------------------------------------------------------------------------------------- sessions
+
+def linear_model(w: np.ndarray, op: str) -> onnx.ModelProto:
+    K, _ = w.shape
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", K])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    if op == "f32":
+        assert kg.to_kernel_f32(m) == 1
+    elif op == "q8":
+        assert kg.to_kernel_q8(m) == ["w"]
+    return m
+
+
+def session(model: onnx.ModelProto, isa: str | None = None, monkeypatch=None) -> ort.InferenceSession:
+    if isa is not None:
+        monkeypatch.setenv("EAGLEX_ISA", isa)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    assert kernels.register(so)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    if isa is not None:
+        monkeypatch.delenv("EAGLEX_ISA")
+    return sess
+
+
+def run(sess, x):
+    return sess.run(None, {"x": np.ascontiguousarray(x, np.float32)})[0]
+
+
+SHAPES = [(32, 16), (576, 960), (1, 1), (31, 15), (33, 17), (100, 40), (64, 130)]     # (K, N)
+
+
+def weights(K: int, N: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((K, N)) * 0.05).astype(np.float32)
+
+
+def rows(M: int, K: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((M, K)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+
+def test_packing_round_trips_and_quantizes_as_q8_0():
+    w = weights(100, 40)
+    assert np.array_equal(kg.unpack_f32(kg.pack_f32(w), 40), w)
+    q, s = kg.quantize_q8(w)
+    assert q.shape == (128, 48) and s.shape == (4, 48) and s.dtype == np.float16
+    assert np.abs(q).max() == 127 and not q[100:].any() and not q[:, 40:].any()     # padding is zero
+    deq = kg.dequantize_q8(q, s, 100, 40)
+    assert np.abs(deq - w).max() <= np.abs(w).max() / 127           # at most one step of the largest block scale
+    W, S = kg.pack_q8(q, s)
+    assert W.shape == (3, 4, 512) and S.shape == (3, 4, 16)
+    # record layout: tile t, block b, k-quad j, channel c, 4 consecutive k; bytes w + 128
+    t, b, j, c, e = 2, 1, 5, 7, 3
+    assert int(W[t, b, (j * 16 + c) * 4 + e]) - 128 == q[b * 32 + j * 4 + e, t * 16 + c]
+    assert S[t, b, c] == s[b, t * 16 + c]
+
+
+def test_to_stock_gives_back_the_matmul_bit_for_bit():
+    w = weights(33, 17)
+    m = linear_model(w, "f32")
+    kg.to_stock(m)
+    assert [n.op_type for n in m.graph.node] == ["MatMul"]
+    assert np.array_equal(numpy_helper.to_array(m.graph.initializer[0]), w)
+    assert not any(o.domain == kernels.DOMAIN for o in m.opset_import)
+    with pytest.raises(ValueError, match="quantized"):
+        kg.to_stock(linear_model(w, "q8"))
+
+
+@needs_library
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_ops_equal_their_numpy_reference(K, N):
+    w, x = weights(K, N), rows(7, K)
+    q, s = kg.quantize_q8(w)
+    assert same(run(session(linear_model(w, "q8")), x), q8_reference(x, q, s, N))
+    assert same(run(session(linear_model(w, "f32")), x), f32_reference(x, w))
+
+
+@needs_library
+@pytest.mark.parametrize("op", ["q8", "f32"])
+@pytest.mark.parametrize("K,N", [(576, 960), (33, 17), (100, 130)])
+def test_every_row_equals_itself_alone_and_every_isa_path_agrees(op, K, N, monkeypatch):
+    w, x = weights(K, N), rows(16, K)
+    isas = runnable_isas(monkeypatch)
+    assert "portable" in isas
+    sessions = {isa: session(linear_model(w, op), isa, monkeypatch) for isa in isas}
+    alone = np.concatenate([run(sessions["portable"], x[r:r + 1]) for r in range(16)])
+    rng = np.random.default_rng(2)
+    for isa, sess in sessions.items():
+        for M in range(1, 17):                                      # the first M rows together
+            assert same(run(sess, x[:M]), alone[:M]), (isa, M)
+        for _ in range(4):                                          # any mix: rows shuffled, repeated
+            pick = rng.integers(0, 16, rng.integers(1, 40))
+            assert same(run(sess, x[pick]), alone[pick]), (isa, pick)
+
+
+@needs_library
+@pytest.mark.parametrize("op", ["q8", "f32"])
+def test_no_rows_and_batched_leading_dims(op):
+    w = weights(64, 40)
+    sess = session(linear_model(w, op))
+    assert run(sess, np.zeros((0, 64), np.float32)).shape == (0, 40)
+    x = rows(6, 64)
+    m3 = linear_model(w, op)
+    m3.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "b"
+    m3.graph.input[0].type.tensor_type.shape.dim.insert(1, onnx.TensorShapeProto.Dimension(dim_param="n"))
+    y3 = session(m3).run(None, {"x": x.reshape(2, 3, 64)})[0]
+    assert same(y3.reshape(6, 40), run(sess, x))
+
+
+@needs_library
+@pytest.mark.parametrize("op", ["q8", "f32"])
+def test_nan_inf_and_denormal_inputs_give_the_references_result(op, monkeypatch):
+    K, N = 100, 40
+    w, x = weights(K, N), rows(8, K)
+    x[0, 3] = np.nan
+    x[1, 40] = np.inf
+    x[2, 99] = -np.inf
+    x[3] = np.float32(1e-45) * np.arange(K)                          # denormals only
+    x[4, :32] = np.float32(-1e-40)
+    x[5] = 0.0
+    x[6, 7] = 3e38
+    q, s = kg.quantize_q8(w)
+    want = q8_reference(x, q, s, N) if op == "q8" else f32_reference(x, w)
+    for isa in runnable_isas(monkeypatch):
+        got = run(session(linear_model(w, op), isa, monkeypatch), x)
+        assert same(got, want), isa
+        assert not np.isnan(got[5]).any()
+
+
+@needs_library
+def test_bad_inputs_are_refused_with_an_error_not_a_crash():
+    w = weights(64, 40)
+    m = linear_model(w, "q8")
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "k"      # no declared K: the op itself checks
+    sess = session(m)
+    with pytest.raises(Exception, match="must end in K=64"):
+        sess.run(None, {"x": np.zeros((2, 63), np.float32)})
+    m = linear_model(w, "q8")
+    m.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.zeros((3, 3, 512), np.uint8),
+                                                            m.graph.initializer[0].name))
+    with pytest.raises(Exception, match="packed weight"):
+        session(m).run(None, {"x": np.zeros((2, 64), np.float32)})
+
+
+def test_a_bad_isa_name_is_one_line(monkeypatch):
+    if not kernels.available():
+        pytest.skip("the kernel library is not built")
+    monkeypatch.setenv("EAGLEX_ISA", "sse9")
+    with pytest.raises(ModelError, match="EAGLEX_ISA must be auto, avx512, avx2 or portable"):
+        kernels.isa()
+
+
+def test_without_the_library_a_kernel_engine_refuses_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLEX_KERNELS_LIB", str(tmp_path / "missing.so"))
+    assert not kernels.available()
+    with pytest.raises(ModelError, match=r"make setup.*--kernels stock"):
+        kernels.require("engine E runs on eaglex's kernels")
+
+
+@needs_library
+def test_the_self_test_passes_under_the_build():
+    """The C++ self-test the build ran (tools/build_kernels.sh): every ISA path, rows alone, odd shapes."""
+    test = REPO / "build" / "kernels" / "eaglex_linear_test"
+    if not test.is_file():
+        pytest.skip("the library comes from elsewhere (EAGLEX_KERNELS_LIB or the wheel)")
+    out = subprocess.run([str(test)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout[-2000:]
