@@ -5,7 +5,8 @@ inputs; bad inputs are refused with an error. Engines built on the kernels: in e
 takes the kernels wherever the library is built) and here (stock vs kernels, ISA paths, a missing library)."""
 from __future__ import annotations
 
-import copy
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -253,3 +254,65 @@ def test_the_self_test_passes_under_the_build():
         pytest.skip("the library comes from elsewhere (EAGLEX_KERNELS_LIB or the wheel)")
     out = subprocess.run([str(test)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ engines
+
+@pytest.fixture(scope="module")
+def kernel_engines(models, tmp_path_factory):
+    """The Llama fixture with its EAGLE-3 head on eaglex's kernels (float32; int8 target and draft) and on stock
+    ops."""
+    from eaglex.engines.build import build_engine
+    from eaglex.engines.quantize import quantize_engine
+
+    if not kernels.available():
+        pytest.skip("the kernel library is not built (make kernels)")
+    root = tmp_path_factory.mktemp("kernel-engines")
+    out = {k: root / k for k in ("f32", "int8", "stock")}
+    build_engine(models["llama"], models["llama/eagle3"], out["f32"], progress=False, kernels="eaglex")
+    build_engine(models["llama"], models["llama/eagle3"], out["stock"], progress=False, kernels="stock")
+    shutil.copytree(out["f32"], out["int8"])
+    quantize_engine(out["int8"], "int8", draft=True, progress=False)
+    return out
+
+
+def test_engines_record_their_kernels(kernel_engines, models):
+    from eaglex.runtime.manifest import read_manifest
+
+    L = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
+    f32, int8, stock = (read_manifest(kernel_engines[k]) for k in ("f32", "int8", "stock"))
+    assert f32["kernels"] == {"domain": "eaglex", "version": kernels.VERSION,
+                              "ops": {"LinearF32": sum(g["ops"].get("LinearF32", 0) for g in f32["graphs"].values())}}
+    assert f32["graphs"]["target"]["ops"]["LinearF32"] == 7 * L + 1                 # every linear layer
+    assert int8["graphs"]["target"]["ops"]["LinearQ8"] == 4 * L + 1          # q|k|v and gate|up fused
+    assert "LinearQ8" in int8["graphs"]["draft"]["ops"] and int8["quant"]["format"].startswith("eaglex::LinearQ8")
+    assert stock["kernels"] is None and "MatMul" in stock["graphs"]["target"]["ops"]
+
+
+def test_engine_outputs_are_the_same_on_every_isa_path(kernel_engines, prompts, monkeypatch):
+    """Vanilla and speculative (a dynamic tree, batched) outputs of the float32 and int8 kernel engines: one
+    answer per engine, whatever path EAGLEX_ISA forces."""
+    from eaglex.runtime.engine import open_engine
+    from eaglex.runtime.types import TreeConfig
+
+    tree = TreeConfig.parse("dynamic:8/4/2")
+    for name in ("f32", "int8"):
+        answers = set()
+        for isa in runnable_isas(monkeypatch):
+            monkeypatch.setenv("EAGLEX_ISA", isa)
+            vanilla = open_engine(kernel_engines[name], method="vanilla").generate(prompts[:6], max_new_tokens=24)
+            spec = open_engine(kernel_engines[name], tree=tree).generate(prompts[:6], max_new_tokens=24, batch=3)
+            v, s = [r.output_ids for r in vanilla], [r.output_ids for r in spec]
+            assert s == v, (name, isa)
+            answers.add(json.dumps(v))
+        assert len(answers) == 1, name
+
+
+def test_a_kernel_engine_without_the_library_refuses_and_a_stock_one_runs(kernel_engines, prompts, monkeypatch,
+                                                                          tmp_path):
+    from eaglex.runtime.engine import open_engine
+
+    monkeypatch.setenv("EAGLEX_KERNELS_LIB", str(tmp_path / "missing.so"))
+    with pytest.raises(ModelError, match=r"runs on eaglex's kernels, and the kernel library is not built here"):
+        open_engine(kernel_engines["int8"])
+    assert open_engine(kernel_engines["stock"], method="vanilla").generate(prompts[:1], max_new_tokens=4)

@@ -29,6 +29,7 @@ from eaglex.engines.quantize import quantize_draft, quantize_engine, target_pari
 from eaglex.export import quant_graphs as q
 from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROWS_AXIS
+from eaglex.runtime import kernels
 from eaglex.runtime.backend import ONE
 from eaglex.runtime.engine import open_engine
 from eaglex.runtime.generate import VanillaGenerator
@@ -97,7 +98,13 @@ def _session(path) -> ort.InferenceSession:
     use_global_pool()
     so = ort.SessionOptions()
     so.use_per_session_threads = False
+    kernels.register(so)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _int8_op(engine) -> str:
+    """The op int8 layers become: eaglex's LinearQ8 on an engine built on the kernel library, else MatMulNBits."""
+    return "LinearQ8" if read_manifest(engine)["kernels"] else "MatMulNBits"
 
 
 def _copy_engine(src, dst):
@@ -410,6 +417,17 @@ def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, models, pr
     assert _row_identity_table(_session(tmp_path / "fused.onnx"), spec, ids) != []
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library is not built (make kernels)")
+def test_q8_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, tmp_path):
+    """The same identity for eaglex's LinearQ8 target graph (int8 engines on the kernel library)."""
+    spec = read_manifest(float_engine)["target"]["spec"]
+    ids = np.array([t for p in prompts for t in p][:72], dtype=np.int64)
+    heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
+    report = q.q8_linear(float_engine / "target.onnx", tmp_path / "q8.onnx", row_attention=heads)
+    assert report.method == "int8" and not report.skipped
+    assert _row_identity_table(_session(tmp_path / "q8.onnx"), spec, ids) == []
+
+
 def _act_max(graph_path, seed=0) -> dict[str, np.ndarray]:
     """Made-up positive activation maxima for every module of a graph, one channel in eight an outlier."""
     rng = np.random.default_rng(seed)
@@ -531,10 +549,11 @@ def test_nbits_engine_check_is_token_exact(float_engine, models, tmp_path, promp
     e = _copy_engine(float_engine, tmp_path / quant)
     m = quantize_engine(e, quant, progress=False)
     assert m["quant"]["method"] == quant and m["quant"]["calibration"] is None
-    assert m["dtypes"]["weights"] == quant and m["graphs"]["target"]["ops"]["MatMulNBits"] == 4 * L + 1
+    op = _int8_op(float_engine) if quant == "int8" else "MatMulNBits"
+    assert m["dtypes"]["weights"] == quant and m["graphs"]["target"]["ops"][op] == 4 * L + 1
     assert "Attention" not in m["graphs"]["target"]["ops"]
     assert m["quant"]["bytes_after"] < m["quant"]["bytes_before"]
-    assert "MatMulNBits" not in m["graphs"]["draft"]["ops"]        # the head stays float unless asked
+    assert op not in m["graphs"]["draft"]["ops"]                    # the head stays float unless asked
     assert not list(tmp_path.glob(f".{quant}.*"))                 # no leftovers of the atomic swap
     assert m["exactness"] == {"row_independent_keys": 1024} and m["tree"] is None
     b = OrtBackend(e)                                               # hashes match the new manifest
@@ -584,7 +603,8 @@ def test_int8_draft_on_a_float_target_stays_exact(float_engine, models, tmp_path
     m = quantize_draft(e, progress=False)
     assert "quant" not in m and "exactness" not in m and m["draft_quant"]["method"] == "int8"
     assert m["draft_quant"]["bytes_after"] < m["draft_quant"]["bytes_before"]
-    assert "MatMulNBits" in m["graphs"]["draft"]["ops"] and "MatMulNBits" not in m["graphs"]["target"]["ops"]
+    op = _int8_op(float_engine)
+    assert op in m["graphs"]["draft"]["ops"] and op not in m["graphs"]["target"]["ops"]
     for f in before["graphs"]["target"]["files"]:
         assert m["files"][f] == before["files"][f]
     assert m["tree"] == before["tree"] and not list(tmp_path.glob(".dq.*"))
