@@ -657,7 +657,7 @@ def cmd_build(args) -> int:
     manifest = build_engine(args.target, args.draft, args.out, args.backend, args.dtype, args.force,
                             kernels=args.kernels)
     if args.quant is not None:
-        from eaglex.engines.quantize import quantize_engine
+        from eaglex.engines.quantize import quality_warning, quantize_engine
         manifest = quantize_engine(args.out, args.quant, args.calibrated, draft=args.quant_draft,
                                    calibrated_draft_dir=args.calibrated_draft, data=args.calibration_data)
     if args.quant is None and args.quant_draft:
@@ -669,9 +669,15 @@ def cmd_build(args) -> int:
         print(draft_quant_line(manifest))
     if args.quant is not None:
         q = manifest["quant"]
+        text = q["parity"].get("text")
         print(f"  quantized {args.quant}: {q['bytes_before'] / 1024 ** 2:.1f} -> {q['bytes_after'] / 1024 ** 2:.1f} MB;"
-              f" target logits vs float: rel. error {q['parity']['logits_rel_error']:.2e}, "
-              f"top-1 agreement {q['parity']['top1_agreement']:.2%}")
+              f" target logits vs float on random ids: rel. error {q['parity']['logits_rel_error']:.2e}, "
+              f"top-1 agreement {q['parity']['top1_agreement']:.2%}"
+              + (f"; on real text (the float model's answers to {text['prompts']} chat prompts, {text['tokens']} "
+                 f"tokens): top-1 agreement {text['top1_agreement']:.2%}" if text else ""))
+        warning = quality_warning(manifest)
+        if warning:
+            print(warning, file=sys.stderr)
         rules = manifest.get("exactness") or {}
         if rules.get("row_independent_keys"):
             print(f"  rows computed independently of the call (up to {rules['row_independent_keys']} keys per call): "

@@ -124,7 +124,8 @@ def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: 
     from eaglex.export.onnx_export import export_graph
     from eaglex.export.parity import reference_cases
     from eaglex.models.eagle import load_draft
-    from eaglex.models.target import DTYPES as TORCH_DTYPES, load_target
+    from eaglex.models.target import DTYPES as TORCH_DTYPES
+    from eaglex.models.target import load_target
 
     target = load_target(target_dir, TORCH_DTYPES[dtype])
     head = load_draft(draft_dir, target) if draft_dir is not None else None
@@ -283,6 +284,9 @@ def summary(manifest: dict, out_dir) -> str:
     lines = [f"engine {out_dir} ({manifest['dtype']}, opset {manifest['opset']}, "
              f"{manifest['draft']['kind'] if manifest['draft'] else 'no draft'}, "
              f"method {manifest['method']}, tree {manifest['tree'] or '-'})"]
+    k = manifest.get("kernels")
+    lines.append("  kernels: " + (f"eaglex v{k['version']} (" + ", ".join(f"{n} {op}" for op, n in k["ops"].items())
+                                  + ")" if k else "ONNX Runtime's stock ops"))
     for name, info in manifest["files"].items():
         lines.append(f"  {name:<28} {_size(info['bytes']):>10}")
     for name, g in manifest["graphs"].items():

@@ -48,11 +48,9 @@ from eaglex.engines.build import kernels_record
 from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROW_INDEPENDENT_KEYS
 from eaglex.models.target import causal_mask
-
 from eaglex.runtime.manifest import MANIFEST, read_manifest, sha256_file, verify_files, write_manifest
 
 QUANT_METHODS = ("fp8", "int8", "int4", "w8a8")
-NBITS = {"int8": 8, "int4": 4}
 _ROWS = "; attention row-independent (FusedMatMul decomposition)"
 FORMATS = {
     "fp8": "ONNX QuantizeLinear/DequantizeLinear float8e4m3fn (opset 23): FP8 weights (DQ), static per-tensor "
@@ -60,9 +58,12 @@ FORMATS = {
     "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
     "q8": "eaglex::LinearQ8: int8 weights in blocks of 32, fp16 scales (Q8_0), int8 activations per row and block"
           + _ROWS,
-    "int4": "com.microsoft::MatMulNBits bits=4 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
+    "int4": "com.microsoft::MatMulNBits bits=4 block_size=32 with a zero point per block, lm_head bits=8, "
+            "accuracy_level=4 (int8 activations)" + _ROWS,
     "w8a8": "MatMulInteger uint8 x int8: weights int8 per output channel, activations int8 per row (dynamic)" + _ROWS,
 }
+# int4: the modules kept at 8 bits (the LM head, as llama.cpp's 4-bit files keep their output layer)
+INT4_EIGHT_BIT = (r"(^|\.)lm_head$",)
 # Regexes of modules kept float. fp8: the ones ModelOpt excludes (lm_head has no calibrated scales anyway).
 EXCLUDE = {"fp8": (r"(^|\.)lm_head$",), "int8": (), "int4": (), "w8a8": ()}
 # How the runtime keeps a quantized engine's speculative output bit-identical to its vanilla output
@@ -244,7 +245,9 @@ def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, 
         return rowwise_int8(src, dst, EXCLUDE[quant], row_attention=heads, act_max=scales)
     if quant == "int8":
         return _int8(src, dst, heads, on_kernels)
-    return nbits_weight_only(src, dst, NBITS[quant], EXCLUDE[quant], row_attention=heads)
+    # int4 as llama.cpp's 4-bit files: a zero point per block (Q4_1's minimum) and the LM head at 8 bits
+    return nbits_weight_only(src, dst, 4, EXCLUDE[quant], row_attention=heads, symmetric=False,
+                             eight_bit=INT4_EIGHT_BIT)
 
 
 def _int8(src: Path, dst: Path, heads: tuple[int, int, int] | None, on_kernels: bool):
@@ -278,8 +281,9 @@ def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: 
 
 def _with_files(m: dict, folder: Path, reports: dict) -> dict:
     """A copy of manifest `m` with the rewritten graphs' files and op counts, and every file's size and hash."""
-    import onnx
     from collections import Counter
+
+    import onnx
 
     out = dict(m)
     out["graphs"] = {k: dict(v) for k, v in m["graphs"].items()}
@@ -293,44 +297,97 @@ def _with_files(m: dict, folder: Path, reports: dict) -> dict:
     return out
 
 
+QUALITY_TOP1 = 0.94          # top-1 agreement with the float model on real text below which the build warns
+QUALITY_PROMPTS, QUALITY_TOKENS = 8, 32
+
+
 def target_parity(float_dir: Path, quant_dir: Path, m: dict, seed: int = 0) -> dict:
-    """The quantized target graph against the float one on the same inputs: a 24-token prefill, then a 6-token
-    step over the float graph's own KV cache. Relative L2 error of the logits and top-1 agreement over all rows."""
+    """The quantized target graph against the float one on the same inputs: a 24-token prefill of random ids, then
+    a 6-token step over the float graph's own KV cache (relative L2 error of the logits, top-1 agreement over all
+    rows); and, where the engine has a tokenizer, `text`: top-1 agreement on real text, the float graph's own
+    greedy continuations of hand-written chat prompts (what a user's answers are made of)."""
+    spec = m["target"]["spec"]
+    ref, new = (_target_session(d / m["graphs"]["target"]["file"]) for d in (float_dir, quant_dir))
+    dtype = {"float32": np.float32, "float16": np.float16}[m["dtype"]]
+    step = _Stepper(spec, dtype, [o.name for o in ref.get_outputs()])
+    ids = np.random.default_rng(seed).integers(0, spec["vocab_size"], 30).tolist()
+    r1, past = step.run(ref, ids[:24])
+    q1, _ = step.run(new, ids[:24])
+    r2, _ = step.run(ref, ids[24:], past)
+    q2, _ = step.run(new, ids[24:], past)
+    a = np.concatenate([r1, r2]).astype(np.float64)
+    b = np.concatenate([q1, q2]).astype(np.float64)
+    out = {"rows": int(a.shape[0]), "logits_rel_error": round(float(np.linalg.norm(b - a) / np.linalg.norm(a)), 5),
+           "top1_agreement": round(float((a.argmax(-1) == b.argmax(-1)).mean()), 4)}
+    text = _text_agreement(float_dir, ref, new, step)
+    if text is not None:
+        out["text"] = text
+    return out
+
+
+def quality_warning(manifest: dict) -> str | None:
+    """One line when a quantized target agrees with the float model on less than QUALITY_TOP1 of real text."""
+    q = manifest.get("quant") or {}
+    text = (q.get("parity") or {}).get("text")
+    if text is None or text["top1_agreement"] >= QUALITY_TOP1:
+        return None
+    return (f"warning: the {q['method']} target agrees with the float model on {text['top1_agreement']:.1%} of "
+            f"top-1 tokens over real text (below {QUALITY_TOP1:.0%}): its answers drift from the model's; "
+            "prefer --quant int8")
+
+
+def _target_session(path: Path):
     import onnxruntime as ort
 
     from eaglex.runtime.ort_session import session_options
 
-    spec = m["target"]["spec"]
-    file = m["graphs"]["target"]["file"]
-    so = session_options()         # the runtime's: on the process-wide pool, FP8 weights folded as the engine runs
-    ref = ort.InferenceSession(str(float_dir / file), so, providers=["CPUExecutionProvider"])
-    new = ort.InferenceSession(str(quant_dir / file), so, providers=["CPUExecutionProvider"])
-    dtype = {"float32": np.float32, "float16": np.float16}[m["dtype"]]
-    rng = np.random.default_rng(seed)
-    L, kv, D = spec["num_layers"], spec["num_kv_heads"], spec["head_dim"]
-    ids = rng.integers(0, spec["vocab_size"], (1, 30), dtype=np.int64)
-    outs = [o.name for o in ref.get_outputs()]
+    # the runtime's options: on the process-wide pool, FP8 weights folded as the engine runs, eaglex's kernels
+    return ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
 
-    def feeds(tokens, past, P):
-        N = tokens.shape[1]
-        mask = causal_mask(N, P).numpy()
-        f = {"input_ids": tokens, "position_ids": np.arange(P, P + N, dtype=np.int64)[None], "attn_mask": mask,
-             "logits_rows": np.arange(N, dtype=np.int64)}
-        for i in range(L):
+
+class _Stepper:
+    """Calls of a target graph over token lists: all rows' logits, and the KV cache to continue from."""
+
+    def __init__(self, spec: dict, dtype, outputs: list[str]):
+        self.L, self.kv, self.D, self.dtype, self.outputs = (spec["num_layers"], spec["num_kv_heads"],
+                                                             spec["head_dim"], dtype, outputs)
+
+    def run(self, sess, tokens: list[int], past: list | None = None, last_only: bool = False):
+        P = 0 if past is None else past[0].shape[2]
+        past = past or [np.zeros((1, self.kv, 0, self.D), dtype=self.dtype)] * (2 * self.L)
+        N = len(tokens)
+        f = {"input_ids": np.array([tokens], np.int64), "position_ids": np.arange(P, P + N, dtype=np.int64)[None],
+             "attn_mask": causal_mask(N, P).numpy(),
+             "logits_rows": np.arange(N - 1 if last_only else 0, N, dtype=np.int64)}
+        for i in range(self.L):
             f[f"past_key_{i}"], f[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
-        return ort_feeds(f, N)
+        got = torch_outputs(dict(zip(self.outputs, sess.run(self.outputs, ort_feeds(f, N)))))
+        return got["logits"][0], [got[f"present_{kv}_{i}"] for i in range(self.L) for kv in ("key", "value")]
 
-    empty = [np.zeros((1, kv, 0, D), dtype=dtype)] * (2 * L)
-    first = feeds(ids[:, :24], empty, 0)
-    r1 = torch_outputs(dict(zip(outs, ref.run(None, first))))
-    q1 = new.run(["logits"], first)[0]
-    past = [r1[f"present_{kv_}_{i}"] for i in range(L) for kv_ in ("key", "value")]
-    second = feeds(ids[:, 24:], past, 24)
-    r2, q2 = ref.run(["logits"], second)[0], new.run(["logits"], second)[0]
-    a = np.concatenate([r1["logits"][0], r2[0]]).astype(np.float64)
-    b = np.concatenate([q1[0], q2[0]]).astype(np.float64)
-    return {"rows": int(a.shape[0]), "logits_rel_error": round(float(np.linalg.norm(b - a) / np.linalg.norm(a)), 5),
-            "top1_agreement": round(float((a.argmax(-1) == b.argmax(-1)).mean()), 4)}
+
+def _text_agreement(folder: Path, ref, new, step: _Stepper) -> dict | None:
+    """Top-1 agreement of `new` with `ref` on ref's greedy continuations of hand-written chat prompts (the tuning
+    set: apart from every bench's prompts), teacher-forced; None without a tokenizer."""
+    from eaglex.base.honest_prompts import TUNING
+    from eaglex.base.prompts import chat_ids, has_chat_template, has_tokenizer, load_tokenizer
+
+    if not has_tokenizer(folder):
+        return None
+    tok = load_tokenizer(folder)
+    agree = total = 0
+    for _, messages in TUNING[:QUALITY_PROMPTS]:
+        prompt = chat_ids(tok, list(messages)) if has_chat_template(tok) else tok.encode(messages[-1]["content"])
+        logits, past = step.run(ref, prompt, last_only=True)
+        seq = list(prompt)
+        for _ in range(QUALITY_TOKENS):
+            seq.append(int(logits[-1].argmax()))
+            logits, past = step.run(ref, seq[-1:], past)
+        a, _ = step.run(ref, seq[:-1])
+        b, _ = step.run(new, seq[:-1])
+        span = slice(len(prompt) - 1, len(seq) - 1)                     # the predictions of the continuation
+        agree += int((a[span].argmax(-1) == b[span].argmax(-1)).sum())
+        total += span.stop - span.start
+    return {"prompts": QUALITY_PROMPTS, "tokens": total, "top1_agreement": round(agree / total, 4)}
 
 
 def _link(src: Path, dst: Path) -> None:

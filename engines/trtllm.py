@@ -44,8 +44,15 @@ from pathlib import Path
 from eaglex.base.errors import ModelError
 from eaglex.base.fsio import check_out, staged
 from eaglex.base.prompts import TOKENIZER_FILES
-from eaglex.runtime.manifest import (FORMAT, FORMAT_VERSION, HASH_LIMIT, MANIFEST, read_manifest, sha256_file,
-                                     write_manifest)
+from eaglex.runtime.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    HASH_LIMIT,
+    MANIFEST,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
 from eaglex.runtime.trtllm_bundle import MIN_TRTLLM
 
 from . import trtllm_upstream as upstream

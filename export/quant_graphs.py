@@ -268,19 +268,28 @@ def _fused_graph(onnx_path: Path, exclude: tuple[str, ...], row_attention: tuple
 
 def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ...] = (),
                       row_attention: tuple[int, int, int] | None = None, block_size: int = NBITS_BLOCK,
-                      accuracy_level: int = NBITS_ACCURACY_LEVEL) -> QuantReport:
+                      accuracy_level: int = NBITS_ACCURACY_LEVEL, symmetric: bool = True,
+                      eight_bit: tuple[str, ...] = ()) -> QuantReport:
     """Every MatMul with a constant 2-D weight whose K is a multiple of `block_size` becomes a `bits`-bit (8 or 4)
-    MatMulNBits (symmetric: no zero points); modules matching a regex in `exclude` stay float. `row_attention`
-    (query heads, KV heads, head dim): check that the graph's attention is the row-independent one for them."""
+    MatMulNBits (symmetric: no zero points; else a zero point per block, as llama.cpp's Q4_1 has a minimum);
+    modules matching a regex in `exclude` stay float, those matching one in `eight_bit` get 8 bits (symmetric).
+    `row_attention` (query heads, KV heads, head dim): check that the graph's attention is the row-independent one
+    for them."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     before = _bytes(_files_of(onnx_path))
-    model, apart = _fused_graph(onnx_path, exclude, row_attention, lambda w: w.dims[0] % block_size != 0)
-    candidates, skipped, exclude_nodes, nodes = [], [], [], 0
+    model, apart = _fused_graph(onnx_path, exclude + eight_bit, row_attention,
+                                lambda w: w.dims[0] % block_size != 0)
+    candidates, skipped, exclude_nodes, eight_nodes, nodes = [], [], [], [], 0
     for node, w in _weight_matmuls(model.graph):
         mods = [module_name(part) or part for part in w.name.split(FUSED)]
-        if w.name in apart:
+        if w.name in apart and eight_bit and w.dims[0] % block_size == 0 and \
+                all(any(re.search(p, m) for p in eight_bit) for m in mods):
+            candidates += mods
+            eight_nodes.append(node.name)
+            nodes += 1
+        elif w.name in apart:
             skipped += mods
             exclude_nodes.append(node.name)
         else:
@@ -289,10 +298,15 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
     if not candidates:
         raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
     metadata = [(p.key, p.value) for p in model.metadata_props]
-    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
-                             nodes_to_exclude=exclude_nodes)
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                             accuracy_level=accuracy_level, nodes_to_exclude=exclude_nodes + eight_nodes)
     with _quiet_logger("onnxruntime.quantization"):        # it logs a line per node at INFO
         q.process()
+        if eight_nodes:
+            others = [n.name for n in q.model.model.graph.node if n.op_type == "MatMul" and n.name not in eight_nodes]
+            q = MatMulNBitsQuantizer(q.model.model, bits=8, block_size=block_size, is_symmetric=True,
+                                     accuracy_level=accuracy_level, nodes_to_exclude=others)
+            q.process()
     out = q.model.model
     del out.metadata_props[:]                       # the quantizer rebuilds the proto: carry the engine id over
     for k, v in metadata:
