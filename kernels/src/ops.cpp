@@ -10,6 +10,7 @@
 // The library asks for C API version 17 (onnxruntime 1.17) and calls nothing newer.
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -261,6 +262,21 @@ __attribute__((visibility("default"))) const char* eaglex_kernels_isa() {
     return text.c_str();
   }
   return eaglex::isa_name(isa);
+}
+
+// Reads n bytes from p with independent 8-byte loads (XOR of them): a read of weight-sized memory for the read
+// floor the benchmarks report beside the kernels' times (tools/step_rows.py).
+__attribute__((visibility("default"))) uint64_t eaglex_read_bytes(const uint8_t* p, size_t n) {
+  uint64_t acc[8] = {0};
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 8; ++j) {
+      uint64_t v;
+      std::memcpy(&v, p + i + 8 * j, 8);
+      acc[j] ^= v;
+    }
+  for (; i < n; ++i) acc[0] ^= p[i];
+  return acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7];
 }
 
 // Bumped whenever an op's inputs, attributes or arithmetic change: engines record the version they were built for.
