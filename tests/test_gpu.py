@@ -179,7 +179,7 @@ def test_onnxruntime_cuda_provider(models, cases_prompts, tmp_path):
     from eaglex.runtime.engine import open_engine
 
     out = tmp_path / "engine"
-    build_engine(models["llama"], models["llama/eagle3"], out, "onnxruntime", "float32", force=True)
+    build_engine(models["llama"], models["llama/eagle3"], out, "onnxruntime", "float32", force=True, kernels="stock")
     cpu = open_engine(out, device="cpu")
     gpu = open_engine(out, device=DEVICE)
     assert gpu.device.startswith("cuda")
