@@ -13,7 +13,7 @@ namespace {
 
 constexpr int kMaxRows = 8;             // rows that share one load of a weight record
 constexpr int kPrefetchAhead = 16 * kRecord;   // bytes ahead of the record being read (~9 KB of the stream)
-constexpr int kPrefetchFromRows = 2;    // below this the hardware prefetcher keeps up
+constexpr int kPrefetchFromRows = 4;    // below this the hardware prefetcher keeps up (and prefetching cost)
 
 inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* qsum_out) {
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
