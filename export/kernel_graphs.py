@@ -19,10 +19,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from eaglex.runtime.kernels import DOMAIN, VERSION
+from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q8_OP, VERSION
 
 TILE, BLOCK = 16, 32
-F32_OP, Q8_OP = "LinearF32", "LinearQ8"
 F32_SUFFIX, Q8_SUFFIX, SCALE_SUFFIX = ".f32p", ".q8p", ".q8s"
 
 

@@ -14,9 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from eaglex.base.errors import ModelError
+from eaglex.base.kernel_ops import DOMAIN, VERSION
 
-DOMAIN = "eaglex"
-VERSION = 1                      # the ops' contract (inputs, attributes, arithmetic); engines record it
+__all__ = ["DOMAIN", "VERSION", "library_path", "available", "isa", "require", "register"]
 LIBRARY = "libeaglex_kernels.so"
 _HERE = Path(__file__).resolve().parent
 SEARCH = (_HERE / LIBRARY, _HERE.parent / "build" / "kernels" / LIBRARY)
@@ -84,7 +84,3 @@ def register(so) -> bool:
     so.register_custom_ops_library(str(library_path()))
     return True
 
-
-def graph_uses_kernels(model) -> bool:
-    """Whether an onnx ModelProto holds ops of the eaglex domain."""
-    return any(n.domain == DOMAIN for n in model.graph.node)

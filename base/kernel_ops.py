@@ -1,0 +1,6 @@
+"""The contract of eaglex's ONNX Runtime custom ops (kernels/, C++), shared by the graphs' writer (export/) and
+their runner (runtime/kernels.py): the op domain, its version, the op names."""
+
+DOMAIN = "eaglex"
+VERSION = 1          # bumped with any change of an op's inputs, attributes or arithmetic; engines record it
+F32_OP, Q8_OP = "LinearF32", "LinearQ8"
