@@ -180,9 +180,9 @@ def _on_kernels(tmp: Path, graphs: dict, progress: bool) -> None:
 def kernels_record(graphs: dict) -> dict | None:
     """The manifest's `kernels`: the eaglex ops the graphs use and the library version they need; None when every
     graph runs on ONNX Runtime's stock ops."""
-    from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q8_OP, VERSION
+    from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q4_OP, Q8_OP, VERSION
 
-    ops = {op: sum(g["ops"].get(op, 0) for g in graphs.values()) for op in (F32_OP, Q8_OP)}
+    ops = {op: sum(g["ops"].get(op, 0) for g in graphs.values()) for op in (F32_OP, Q8_OP, Q4_OP)}
     ops = {op: n for op, n in ops.items() if n}
     return {"domain": DOMAIN, "version": VERSION, "ops": ops} if ops else None
 

@@ -58,6 +58,8 @@ FORMATS = {
     "int8": "com.microsoft::MatMulNBits bits=8 block_size=32 symmetric accuracy_level=4 (int8 activations)" + _ROWS,
     "q8": "eaglex::LinearQ8: int8 weights in blocks of 32, fp16 scales (Q8_0), int8 activations per row and block"
           + _ROWS,
+    "q4": "eaglex::LinearQ4: 4-bit weights in blocks of 32, an fp16 scale and minimum each (Q4_1), lm_head on "
+          "LinearQ8, int8 activations per row and block" + _ROWS,
     "int4": "com.microsoft::MatMulNBits bits=4 block_size=32 with a zero point per block, lm_head bits=8, "
             "accuracy_level=4 (int8 activations)" + _ROWS,
     "w8a8": "MatMulInteger uint8 x int8: weights int8 per output channel, activations int8 per row (dynamic)" + _ROWS,
@@ -236,7 +238,7 @@ def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, 
     draft's stays fused (faster): the draft only proposes, its numerics never reach the output. `on_kernels`: the
     float engine was built on eaglex's kernels, so int8 layers take eaglex.LinearQ8 (faster than MatMulNBits at
     every row count: docs/step.md)."""
-    from eaglex.export.quant_graphs import fp8_qdq, nbits_weight_only, rowwise_int8
+    from eaglex.export.quant_graphs import fp8_qdq, kernel_linear, nbits_weight_only, rowwise_int8
     if quant == "fp8":
         return fp8_qdq(src, dst, scales, exclude=EXCLUDE["fp8"])
     if quant == "w8a8" and heads is None:       # the draft: only proposes, int8 weight-only suits it
@@ -245,16 +247,18 @@ def _quantize_graph(quant: str, src: Path, dst: Path, scales, heads: tuple[int, 
         return rowwise_int8(src, dst, EXCLUDE[quant], row_attention=heads, act_max=scales)
     if quant == "int8":
         return _int8(src, dst, heads, on_kernels)
-    # int4 as llama.cpp's 4-bit files: a zero point per block (Q4_1's minimum) and the LM head at 8 bits
+    # int4 as llama.cpp's 4-bit files: a minimum (or zero point) per block and the LM head at 8 bits
+    if on_kernels:
+        return kernel_linear(src, dst, 4, EXCLUDE[quant], row_attention=heads, eight_bit=INT4_EIGHT_BIT)
     return nbits_weight_only(src, dst, 4, EXCLUDE[quant], row_attention=heads, symmetric=False,
                              eight_bit=INT4_EIGHT_BIT)
 
 
 def _int8(src: Path, dst: Path, heads: tuple[int, int, int] | None, on_kernels: bool):
     """int8 weights: eaglex.LinearQ8 on a kernel engine, else MatMulNBits 8-bit."""
-    from eaglex.export.quant_graphs import nbits_weight_only, q8_linear
+    from eaglex.export.quant_graphs import kernel_linear, nbits_weight_only
     if on_kernels:
-        return q8_linear(src, dst, EXCLUDE["int8"], row_attention=heads)
+        return kernel_linear(src, dst, 8, EXCLUDE["int8"], row_attention=heads)
     return nbits_weight_only(src, dst, 8, EXCLUDE["int8"], row_attention=heads)
 
 
@@ -263,8 +267,9 @@ def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: 
     out = _with_files(m, folder, reports)
     weights = {"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4", "w8a8": "int8"}[quant]
     out["dtypes"] = dict(m["dtypes"], weights=weights)
-    q8 = quant == "int8" and "LinearQ8" in ((out.get("kernels") or {}).get("ops") or {})
-    out["quant"] = {"method": quant, "format": FORMATS["q8" if q8 else quant], "draft_quantized": draft,
+    ops = (out.get("kernels") or {}).get("ops") or {}
+    form = {"int8": "q8" if "LinearQ8" in ops else "int8", "int4": "q4" if "LinearQ4" in ops else "int4"}
+    out["quant"] = {"method": quant, "format": FORMATS[form.get(quant, quant)], "draft_quantized": draft,
                     "graphs": {g: r.to_json() for g, r in reports.items()},
                     "bytes_before": sum(r.bytes_before for r in reports.values()),
                     "bytes_after": sum(r.bytes_after for r in reports.values()),

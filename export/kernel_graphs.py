@@ -4,6 +4,9 @@ each weight once and nothing is repacked at load.
 
 - LinearF32: float32 weights in tiles of 16 output channels, [N/16, K, 16]; one FMA chain per output over k in
   order, so a row's result is the same bits whatever else is in the call.
+- LinearQ4: 4-bit weights in blocks of 32 along K as w = d * q + m, q in [0, 15], an fp16 d and m per (channel,
+  block) (llama.cpp's Q4_1 numbers: d = (max - min) / 15, m = min), two a byte, [N/16, K/32, 256] + [N/16, K/32,
+  32]; activations as LinearQ8's.
 - LinearQ8: int8 weights in blocks of 32 along K with an fp16 scale per (channel, block) (llama.cpp's Q8_0 numbers:
   scale amax / 127, weights round-half-even), packed for VNNI as w + 128, [N/16, K/32, 512] + [N/16, K/32, 16];
   activations are quantized per row and block inside the kernel.
@@ -19,10 +22,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q8_OP, VERSION
+from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q4_OP, Q8_OP, VERSION
 
 TILE, BLOCK = 16, 32
-F32_SUFFIX, Q8_SUFFIX, SCALE_SUFFIX = ".f32p", ".q8p", ".q8s"
+F32_SUFFIX, Q8_SUFFIX, SCALE_SUFFIX, Q4_SUFFIX, Q4_SCALE_SUFFIX = ".f32p", ".q8p", ".q8s", ".q4p", ".q4s"
 
 
 def _ceil(n: int, m: int) -> int:
@@ -70,6 +73,48 @@ def pack_q8(q: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     W = np.ascontiguousarray(u8.transpose(3, 0, 1, 4, 2)).reshape(tiles, kb, TILE * BLOCK)
     S = np.ascontiguousarray(scales.reshape(kb, tiles, TILE).transpose(1, 0, 2))
     return W, S
+
+
+def quantize_q4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[K, N] float -> (q uint8 [Kp, Np] in 0..15, d float16 [Kp/32, Np], m float16 [Kp/32, Np]), padded as
+    quantize_q8: per (block of 32 along K, channel) over its real weights, d = fp16((max - min) / 15), m =
+    fp16(min), q = clamp(round_half_even((w - m) / d), 0, 15) (d = 0: q = 0)."""
+    K, N = w.shape
+    wp = np.full((_ceil(K, BLOCK), _ceil(N, TILE)), np.nan, np.float32)
+    wp[:K, :N] = w
+    blocks = wp.reshape(-1, BLOCK, wp.shape[1])                       # [Kb, 32, Np]
+    lo = np.nan_to_num(np.fmin.reduce(blocks, axis=1))                 # NaN only where a block has no weight
+    hi = np.nan_to_num(np.fmax.reduce(blocks, axis=1))
+    with np.errstate(over="ignore"):
+        d = ((hi - lo) / np.float32(15)).astype(np.float16)
+        m = lo.astype(np.float16)
+    if not (np.isfinite(d).all() and np.isfinite(m).all()):
+        raise ValueError("a weight block's range does not fit float16 (|w| above ~65504)")
+    df, mf = d.astype(np.float32)[:, None, :], m.astype(np.float32)[:, None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(df > 0, np.rint((blocks - mf) / np.where(df > 0, df, 1)), 0)
+    q = np.where(np.isnan(blocks), 0, np.clip(q, 0, 15))
+    return q.astype(np.uint8).reshape(wp.shape), d, m
+
+
+def pack_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_q4's output -> the kernel's (W uint8 [Np/16, Kb, 256], S float16 [Np/16, Kb, 32]): a record holds
+    k-quads jj < 4, then channels, then 4 consecutive k, k = 4 jj + e in the low nibble and 16 + 4 jj + e in the
+    high one; S holds the 16 channels' d, then their m."""
+    Kp, Np = q.shape
+    kb, tiles = Kp // BLOCK, Np // TILE
+    r = q.reshape(kb, 2, 4, 4, tiles, TILE)                            # [b, half, jj, e, t, c]
+    byte = (r[:, 0] | (r[:, 1] << 4)).astype(np.uint8)                # [b, jj, e, t, c]
+    W = np.ascontiguousarray(byte.transpose(3, 0, 1, 4, 2)).reshape(tiles, kb, TILE * BLOCK // 2)
+    S = np.concatenate([d.reshape(kb, tiles, TILE), m.reshape(kb, tiles, TILE)], axis=2)   # [b, t, 32]
+    return W, np.ascontiguousarray(S.transpose(1, 0, 2))
+
+
+def dequantize_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray, K: int, N: int) -> np.ndarray:
+    """The float weights a Q4 layer stands for, [K, N]."""
+    blocks = q.reshape(-1, BLOCK, q.shape[1]).astype(np.float32)
+    w = blocks * d.astype(np.float32)[:, None, :] + m.astype(np.float32)[:, None, :]
+    return w.reshape(q.shape)[:K, :N]
 
 
 def dequantize_q8(q: np.ndarray, scales: np.ndarray, K: int, N: int) -> np.ndarray:
@@ -130,6 +175,25 @@ def to_kernel_q8(model: onnx.ModelProto, keep: set[str] = frozenset()) -> list[s
             replaced[w.name] = [numpy_helper.from_array(W, w.name + Q8_SUFFIX),
                                 numpy_helper.from_array(S, w.name + SCALE_SUFFIX)]
         _retype(node, Q8_OP, [node.input[0], w.name + Q8_SUFFIX, w.name + SCALE_SUFFIX], K, N)
+    if replaced:
+        _use_domain(model)
+        _swap_weights(model, replaced)
+    return list(replaced)
+
+
+def to_kernel_q4(model: onnx.ModelProto, keep: set[str] = frozenset()) -> list[str]:
+    """MatMul(x, constant float32 W [K, N]) -> eaglex.LinearQ4, in place; weights named in `keep` stay float.
+    Returns the names of the weights quantized."""
+    replaced: dict[str, list[onnx.TensorProto]] = {}
+    for node, w in _weight_matmuls(model.graph):
+        if w.name in keep:
+            continue
+        K, N = w.dims
+        if w.name not in replaced:
+            W, S = pack_q4(*quantize_q4(numpy_helper.to_array(w)))
+            replaced[w.name] = [numpy_helper.from_array(W, w.name + Q4_SUFFIX),
+                                numpy_helper.from_array(S, w.name + Q4_SCALE_SUFFIX)]
+        _retype(node, Q4_OP, [node.input[0], w.name + Q4_SUFFIX, w.name + Q4_SCALE_SUFFIX], K, N)
     if replaced:
         _use_domain(model)
         _swap_weights(model, replaced)

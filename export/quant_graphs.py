@@ -51,7 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 from eaglex.base.errors import ModelError
 
 from .fuse import FUSED, fuse_sibling_matmuls
-from .kernel_graphs import to_kernel_f32, to_kernel_q8, to_stock
+from .kernel_graphs import to_kernel_f32, to_kernel_q4, to_kernel_q8, to_stock
 from .onnx_export import EXTERNAL_DATA_ABOVE
 from .row_attention import check_row_independent
 
@@ -318,23 +318,29 @@ def nbits_weight_only(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ..
     return QuantReport(f"int{bits}", tuple(candidates), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
 
 
-def q8_linear(onnx_path, out_path, exclude: tuple[str, ...] = (),
-              row_attention: tuple[int, int, int] | None = None) -> QuantReport:
-    """Every MatMul with a constant 2-D float weight becomes eaglex.LinearQ8 (export/kernel_graphs.py: Q8_0's
-    numbers, blocks of 32 along K, fp16 scales, int8 activations per row and block); siblings reading one input
-    are fused first, so that q|k|v and gate|up quantize their input once. Modules matching a regex in `exclude`
-    stay float, on eaglex.LinearF32. `row_attention` as for nbits_weight_only."""
+def kernel_linear(onnx_path, out_path, bits: int = 8, exclude: tuple[str, ...] = (),
+                  row_attention: tuple[int, int, int] | None = None, eight_bit: tuple[str, ...] = ()) -> QuantReport:
+    """Every MatMul with a constant 2-D float weight becomes eaglex.LinearQ8 (bits 8: Q8_0's numbers, blocks of 32
+    along K, fp16 scales) or eaglex.LinearQ4 (bits 4: Q4_1's, an fp16 scale and minimum per block), with int8
+    activations per row and block (export/kernel_graphs.py); siblings reading one input are fused first, so that
+    q|k|v and gate|up quantize their input once. Modules matching a regex in `eight_bit` take LinearQ8 (bits 4),
+    those matching one in `exclude` stay float on eaglex.LinearF32. `row_attention` as for nbits_weight_only."""
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     before = _bytes(_files_of(onnx_path))
-    model, apart = _fused_graph(onnx_path, exclude, row_attention)
-    names = to_kernel_q8(model, keep=apart)
+    model, apart = _fused_graph(onnx_path, exclude + eight_bit, row_attention)
+    parts = {w: [module_name(p) or p for p in w.split(FUSED)] for w in apart}
+    eight = {w for w, mods in parts.items()
+             if eight_bit and all(any(re.search(p, m) for p in eight_bit) for m in mods)}
+    names = (to_kernel_q8 if bits == 8 else to_kernel_q4)(model, keep=apart)
+    names += to_kernel_q8(model, keep=apart - eight) if eight else []
     if not names:
         raise ModelError(f"{onnx_path.name}: no MatMul weight to quantize")
     to_kernel_f32(model)
     quantized = [module_name(part) or part for w in names for part in w.split(FUSED)]
-    skipped = [module_name(part) or part for w in apart for part in w.split(FUSED)]
+    skipped = [m for w in apart - eight for m in parts[w]]
     files = _save(model, out_path)
-    return QuantReport("int8", tuple(quantized), tuple(skipped), before, _bytes(files), tuple(f.name for f in files))
+    return QuantReport(f"int{bits}", tuple(quantized), tuple(skipped), before, _bytes(files),
+                       tuple(f.name for f in files))
 
 
 # ------------------------------------------------------------------------------------------------------ w8a8

@@ -44,17 +44,9 @@ def q8_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray, N: int) -> np
     """The LinearQ8 arithmetic in numpy float32: rows quantized per block of 32 (d = amax / 127, round half to
     even, clamp +-127; d = 0 gives q = 0; a non-finite block gives d = NaN, q = 0), y = y + (s * d) * dot per
     block in order; NaN outputs as the quiet NaN."""
-    M, K = x.shape
+    M, _ = x.shape
     Kp, Np = q.shape
-    xp = np.zeros((M, Kp), np.float32)
-    xp[:, :K] = x
-    xb = xp.reshape(M, -1, 32)
-    finite = np.isfinite(xb).all(-1)
-    amax = np.abs(np.where(np.isfinite(xb), xb, 0)).max(-1)
-    d = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        xq = np.where((d > 0)[..., None], np.rint(xb / np.where(d > 0, d, 1)[..., None]), 0)
-    xq = np.clip(xq, -127, 127).astype(np.int32)
+    xq, d = _quantized_rows(x, Kp)
     wq = q.reshape(-1, 32, Np).astype(np.int32)                       # [Kb, 32, Np]
     y = np.zeros((M, Np), np.float32)
     for b in range(wq.shape[0]):
@@ -63,6 +55,36 @@ def q8_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray, N: int) -> np
         with np.errstate(invalid="ignore", over="ignore"):
             y = y + sd * dot
     return y[:, :N]
+
+
+def q4_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray, N: int) -> np.ndarray:
+    """The LinearQ4 arithmetic: rows quantized as for LinearQ8, then per block in order y = y + (d * dx) * dot,
+    y = y + (m * dx) * qsum (dot over the 4-bit q in 0..15, qsum the row's sum of its quantized block)."""
+    M, K = x.shape
+    xq, dx = _quantized_rows(x, q.shape[0])
+    wq = q.reshape(-1, 32, q.shape[1]).astype(np.int32)
+    y = np.zeros((M, q.shape[1]), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(wq.shape[0]):
+            dot = (xq[:, b, :] @ wq[b]).astype(np.float32)
+            qsum = xq[:, b, :].sum(-1).astype(np.float32)[:, None]
+            y = y + (d[b].astype(np.float32)[None, :] * dx[:, b:b + 1]) * dot
+            y = y + (m[b].astype(np.float32)[None, :] * dx[:, b:b + 1]) * qsum
+    return y[:, :N]
+
+
+def _quantized_rows(x: np.ndarray, Kp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows quantized per block of 32: (q int32 [M, Kb, 32], d float32 [M, Kb])."""
+    M, K = x.shape
+    xp = np.zeros((M, Kp), np.float32)
+    xp[:, :K] = x
+    xb = xp.reshape(M, -1, 32)
+    finite = np.isfinite(xb).all(-1)
+    amax = np.abs(np.where(np.isfinite(xb), xb, 0)).max(-1)
+    d = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xq = np.where((d > 0)[..., None], np.rint(xb / np.where(d > 0, d, 1)[..., None]), 0)
+    return np.clip(xq, -127, 127).astype(np.int32), d
 
 
 def f32_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -96,6 +118,8 @@ def linear_model(w: np.ndarray, op: str) -> onnx.ModelProto:
         assert kg.to_kernel_f32(m) == 1
     elif op == "q8":
         assert kg.to_kernel_q8(m) == ["w"]
+    elif op == "q4":
+        assert kg.to_kernel_q4(m) == ["w"]
     return m
 
 
@@ -144,6 +168,22 @@ def test_packing_round_trips_and_quantizes_as_q8_0():
     assert S[t, b, c] == s[b, t * 16 + c]
 
 
+def test_q4_packing_keeps_q4_1_weights_exactly():
+    """Weights that are Q4_1 values already (a GGUF target's) quantize to themselves: no second rounding."""
+    w = weights(100, 40)
+    q, d, m = kg.quantize_q4(w)
+    assert q.max() == 15 and d.dtype == m.dtype == np.float16
+    assert np.abs(kg.dequantize_q4(q, d, m, 100, 40) - w).max() <= d.astype(np.float32).max() / 2 + 1e-6
+    w4 = kg.dequantize_q4(q, d, m, 100, 40)
+    assert np.array_equal(kg.dequantize_q4(*kg.quantize_q4(w4), 100, 40), w4)
+    W, S = kg.pack_q4(q, d, m)
+    assert W.shape == (3, 4, 256) and S.shape == (3, 4, 32)
+    t, b, jj, c, e = 2, 1, 3, 7, 2
+    assert W[t, b, (jj * 16 + c) * 4 + e] == q[b * 32 + 4 * jj + e, t * 16 + c] | q[b * 32 + 16 + 4 * jj + e,
+                                                                                     t * 16 + c] << 4
+    assert S[t, b, c] == d[b, t * 16 + c] and S[t, b, 16 + c] == m[b, t * 16 + c]
+
+
 def test_to_stock_gives_back_the_matmul_bit_for_bit():
     w = weights(33, 17)
     m = linear_model(w, "f32")
@@ -161,11 +201,12 @@ def test_ops_equal_their_numpy_reference(K, N):
     w, x = weights(K, N), rows(7, K)
     q, s = kg.quantize_q8(w)
     assert same(run(session(linear_model(w, "q8")), x), q8_reference(x, q, s, N))
+    assert same(run(session(linear_model(w, "q4")), x), q4_reference(x, *kg.quantize_q4(w), N))
     assert same(run(session(linear_model(w, "f32")), x), f32_reference(x, w))
 
 
 @needs_library
-@pytest.mark.parametrize("op", ["q8", "f32"])
+@pytest.mark.parametrize("op", ["q8", "q4", "f32"])
 @pytest.mark.parametrize("K,N", [(576, 960), (33, 17), (100, 130)])
 def test_every_row_equals_itself_alone_and_every_isa_path_agrees(op, K, N, monkeypatch):
     w, x = weights(K, N), rows(16, K)
@@ -183,7 +224,7 @@ def test_every_row_equals_itself_alone_and_every_isa_path_agrees(op, K, N, monke
 
 
 @needs_library
-@pytest.mark.parametrize("op", ["q8", "f32"])
+@pytest.mark.parametrize("op", ["q8", "q4", "f32"])
 def test_no_rows_and_batched_leading_dims(op):
     w = weights(64, 40)
     sess = session(linear_model(w, op))
@@ -197,7 +238,7 @@ def test_no_rows_and_batched_leading_dims(op):
 
 
 @needs_library
-@pytest.mark.parametrize("op", ["q8", "f32"])
+@pytest.mark.parametrize("op", ["q8", "q4", "f32"])
 def test_nan_inf_and_denormal_inputs_give_the_references_result(op, monkeypatch):
     K, N = 100, 40
     w, x = weights(K, N), rows(8, K)
@@ -209,7 +250,8 @@ def test_nan_inf_and_denormal_inputs_give_the_references_result(op, monkeypatch)
     x[5] = 0.0
     x[6, 7] = 3e38
     q, s = kg.quantize_q8(w)
-    want = q8_reference(x, q, s, N) if op == "q8" else f32_reference(x, w)
+    want = {"q8": lambda: q8_reference(x, q, s, N), "q4": lambda: q4_reference(x, *kg.quantize_q4(w), N),
+            "f32": lambda: f32_reference(x, w)}[op]()
     for isa in runnable_isas(monkeypatch):
         got = run(session(linear_model(w, op), isa, monkeypatch), x)
         assert same(got, want), isa

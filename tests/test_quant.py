@@ -418,14 +418,19 @@ def test_nbits_rows_are_bit_identical_at_any_call_shape(float_engine, models, pr
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library is not built (make kernels)")
-def test_q8_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, tmp_path):
-    """The same identity for eaglex's LinearQ8 target graph (int8 engines on the kernel library)."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernel_rows_are_bit_identical_at_any_call_shape(float_engine, prompts, tmp_path, bits):
+    """The same identity for eaglex's LinearQ8 / LinearQ4 target graphs (int8 / int4 engines on the kernel
+    library)."""
     spec = read_manifest(float_engine)["target"]["spec"]
     ids = np.array([t for p in prompts for t in p][:72], dtype=np.int64)
     heads = (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"])
-    report = q.q8_linear(float_engine / "target.onnx", tmp_path / "q8.onnx", row_attention=heads)
-    assert report.method == "int8" and not report.skipped
-    assert _row_identity_table(_session(tmp_path / "q8.onnx"), spec, ids) == []
+    report = q.kernel_linear(float_engine / "target.onnx", tmp_path / "q.onnx", bits, row_attention=heads,
+                             eight_bit=(r"(^|\.)lm_head$",))
+    assert report.method == f"int{bits}" and not report.skipped and "lm_head" in report.quantized
+    ops = Counter(n.op_type for n in onnx.load(str(tmp_path / "q.onnx"), load_external_data=False).graph.node)
+    assert ops["LinearQ8"] == (1 if bits == 4 else 4 * _sizes(float_engine)[0] + 1)
+    assert _row_identity_table(_session(tmp_path / "q.onnx"), spec, ids) == []
 
 
 def _act_max(graph_path, seed=0) -> dict[str, np.ndarray]:

@@ -75,6 +75,17 @@ void q8_tiles(Isa isa, const QuantRows& a, int64_t rows, const uint8_t* w, const
   }
 }
 
+void q4_tiles(Isa isa, const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N,
+              int64_t t0, int64_t t1, float* y) {
+  switch (isa) {
+#ifdef EAGLEX_X86
+    case Isa::avx512: return avx512::q4_tiles(a, rows, w, s, N, t0, t1, y);
+    case Isa::avx2: return avx2::q4_tiles(a, rows, w, s, N, t0, t1, y);
+#endif
+    default: return portable::q4_tiles(a, rows, w, s, N, t0, t1, y);
+  }
+}
+
 void f32_tiles(Isa isa, const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1,
                float* y) {
   switch (isa) {

@@ -13,6 +13,14 @@
 //           S  fp16  [N/16, Kb, 16]
 //   N padded to a multiple of 16 and K to a multiple of 32 with zero weights and zero scales.
 //
+// int4 (Q4, llama.cpp's Q4_1 numbers): weights in blocks of 32 along K as w = d * q + m with q in [0, 15] and an
+// fp16 d and m per (output channel, block); activation rows quantized as for Q8. Per output: y = 0; for each block b
+// in order: y = y + (d_b * dx_b) * dot_b; y = y + (m_b * dx_b) * qsum_b, dot_b the exact int32 sum of q * qx and
+// qsum_b the row's sum of qx over the block.
+//   Packed: W  uint8 [N/16, Kb, 4, 16, 4]: k-quad jj < 4, channel, 4 consecutive k; the low nibble is
+//               k = 4 jj + e, the high nibble k = 16 + 4 jj + e
+//           S  fp16  [N/16, Kb, 32]: the 16 channels' d, then their m
+//
 // Outputs that are NaN are written as the one quiet NaN 0x7fc00000: which NaN an operation passes on depends on
 // its operand order, which the compiler may swap.
 //
@@ -27,6 +35,7 @@ namespace eaglex {
 constexpr int kTile = 16;     // output channels per tile
 constexpr int kBlock = 32;    // K per int8 block
 constexpr int kRecord = kTile * kBlock;   // weight bytes per (tile, block)
+constexpr int kRecord4 = kRecord / 2;     // Q4: two weights a byte
 
 enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
 const char* isa_name(Isa isa);
@@ -50,6 +59,10 @@ void quantize_rows(Isa isa, const float* x, int64_t rows, int64_t K, int8_t* q, 
 void q8_tiles(Isa isa, const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N,
               int64_t t0, int64_t t1, float* y);
 
+// y [rows, N] columns of tiles [t0, t1): the int4 linear layer over quantized rows.
+void q4_tiles(Isa isa, const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N,
+              int64_t t0, int64_t t1, float* y);
+
 // y [rows, N] columns of tiles [t0, t1): the fp32 linear layer, x [rows, K].
 void f32_tiles(Isa isa, const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1,
                float* y);
@@ -59,6 +72,8 @@ namespace portable {
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* qsum);
 void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
               int64_t t1, float* y);
+void q4_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y);
 void f32_tiles(const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1, float* y);
 float half_to_float(uint16_t h);
 }  // namespace portable
@@ -66,11 +81,15 @@ namespace avx2 {
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* qsum);
 void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
               int64_t t1, float* y);
+void q4_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y);
 void f32_tiles(const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1, float* y);
 }  // namespace avx2
 namespace avx512 {
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* qsum);
 void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y);
+void q4_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
               int64_t t1, float* y);
 void f32_tiles(const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1, float* y);
 }  // namespace avx512

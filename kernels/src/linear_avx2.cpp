@@ -31,7 +31,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* qsu
   const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
   __m256 xv[4], amax = _mm256_setzero_ps();
   __m256i bad = _mm256_setzero_si256();
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     xv[i] = _mm256_loadu_ps(x + 8 * i);
     const __m256i a = _mm256_and_si256(_mm256_castps_si256(xv[i]), abs_mask);
@@ -51,7 +51,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, int32_t* qsu
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   alignas(32) int32_t v[kBlock];
   __m256i sum = _mm256_setzero_si256();
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     __m256i iv = _mm256_cvtps_epi32(_mm256_div_ps(xv[i], dv));   // MXCSR rounding: half to even
     iv = _mm256_min_epi32(_mm256_max_epi32(iv, lo), hi);
@@ -69,15 +69,26 @@ inline __m256i channels8(__m256i a, __m256i b) {
   return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-template <int R>
-inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uint16_t* st, float* y, int64_t N,
-                    int64_t cols) {
+template <bool Q4, int R>
+inline void quant_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uint16_t* st, float* y, int64_t N,
+                       int64_t cols) {
   const int64_t Kb = a.blocks;
   alignas(32) float acc[R][kTile] = {};
+  alignas(32) uint8_t unpacked[kRecord];            // Q4: the record's nibbles as Q8's bytes
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < Kb; ++b) {
-    const uint8_t* rec = wt + b * kRecord;
+    const uint8_t* rec = wt + b * (Q4 ? kRecord4 : kRecord);
+    if (Q4) {
+      for (int h = 0; h < kRecord4; h += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + h));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + h), _mm256_and_si256(v, nibble));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + kRecord4 + h),
+                           _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble));
+      }
+      rec = unpacked;
+    }
     alignas(32) int16_t q16[R][kBlock];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int8_t* q = a.q + ((r0 + i) * Kb + b) * kBlock;
       _mm256_store_si256(reinterpret_cast<__m256i*>(q16[i]),
@@ -86,46 +97,58 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
     }
     __m256i z[R][4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i)
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int p = 0; p < 4; ++p) z[i][p] = _mm256_setzero_si256();
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int j = 0; j < 8; ++j) {
       __m256i wz[4];
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int p = 0; p < 4; ++p)
         wz[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 64 + p * 16)));
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         int64_t qv;
         std::memcpy(&qv, q16[i] + 4 * j, 8);
         const __m256i xq = _mm256_set1_epi64x(qv);
-        #pragma GCC unroll 16
+  #pragma GCC unroll 16
         for (int p = 0; p < 4; ++p) z[i][p] = _mm256_add_epi32(z[i][p], _mm256_madd_epi16(wz[p], xq));
       }
     }
-    const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + b * kTile)));
-    const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + b * kTile + 8)));
-    #pragma GCC unroll 16
+    const uint16_t* sb = st + b * kTile * (Q4 ? 2 : 1);
+    const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+    const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+    const __m256 m_lo = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kTile)))
+                           : _mm256_setzero_ps();
+    const __m256 m_hi = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kTile + 8)))
+                           : _mm256_setzero_ps();
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int64_t rb = (r0 + i) * Kb + b;
-      const __m256i offset = _mm256_set1_epi32(128 * a.qsum[rb]);
+      const __m256i offset = _mm256_set1_epi32(Q4 ? 0 : 128 * a.qsum[rb]);
       const __m256 dv = _mm256_set1_ps(a.d[rb]);
       const __m256i dot_lo = _mm256_sub_epi32(channels8(z[i][0], z[i][1]), offset);
       const __m256i dot_hi = _mm256_sub_epi32(channels8(z[i][2], z[i][3]), offset);
       const __m256 u_lo = _mm256_mul_ps(_mm256_mul_ps(s_lo, dv), _mm256_cvtepi32_ps(dot_lo));
       const __m256 u_hi = _mm256_mul_ps(_mm256_mul_ps(s_hi, dv), _mm256_cvtepi32_ps(dot_hi));
-      _mm256_store_ps(acc[i], _mm256_add_ps(_mm256_load_ps(acc[i]), u_lo));
-      _mm256_store_ps(acc[i] + 8, _mm256_add_ps(_mm256_load_ps(acc[i] + 8), u_hi));
+      __m256 y_lo = _mm256_add_ps(_mm256_load_ps(acc[i]), u_lo);
+      __m256 y_hi = _mm256_add_ps(_mm256_load_ps(acc[i] + 8), u_hi);
+      if (Q4) {
+        const __m256 qs = _mm256_set1_ps(float(a.qsum[rb]));
+        y_lo = _mm256_add_ps(y_lo, _mm256_mul_ps(_mm256_mul_ps(m_lo, dv), qs));
+        y_hi = _mm256_add_ps(y_hi, _mm256_mul_ps(_mm256_mul_ps(m_hi, dv), qs));
+      }
+      _mm256_store_ps(acc[i], y_lo);
+      _mm256_store_ps(acc[i] + 8, y_hi);
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     _mm256_store_ps(acc[i], canonical(_mm256_load_ps(acc[i])));
     _mm256_store_ps(acc[i] + 8, canonical(_mm256_load_ps(acc[i] + 8)));
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) std::memcpy(y + (r0 + i) * N, acc[i], size_t(cols) * sizeof(float));
 }
 
@@ -133,30 +156,30 @@ template <int T, int R>
 inline void f32_tiles_rows(const float* x, int64_t r0, int64_t K, const float* wt, float* y, int64_t N,
                            int64_t last_cols) {
   __m256 acc[T][R][2];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) acc[t][i][0] = acc[t][i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m256 wv[T][2];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       wv[t][0] = _mm256_loadu_ps(wt + (t * K + k) * kTile);
       wv[t][1] = _mm256_loadu_ps(wt + (t * K + k) * kTile + 8);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const __m256 xv = _mm256_set1_ps(x[(r0 + i) * K + k]);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
         acc[t][i][0] = _mm256_fmadd_ps(wv[t][0], xv, acc[t][i][0]);
         acc[t][i][1] = _mm256_fmadd_ps(wv[t][1], xv, acc[t][i][1]);
       }
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       alignas(32) float out[kTile];
       _mm256_store_ps(out, canonical(acc[t][i][0]));
@@ -192,16 +215,27 @@ void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d,
     }
 }
 
-void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
-              int64_t t1, float* y) {
+template <bool Q4>
+void quant_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+                 int64_t t1, float* y) {
   const int64_t Kb = a.blocks;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* wt = w + t * Kb * kRecord;
-    const uint16_t* st = s + t * Kb * kTile;
+    const uint8_t* wt = w + t * Kb * (Q4 ? kRecord4 : kRecord);
+    const uint16_t* st = s + t * Kb * kTile * (Q4 ? 2 : 1);
     int64_t r = 0;
-    for (; r + kMaxRows <= rows; r += kMaxRows) q8_tile<kMaxRows>(a, r, wt, st, y + t * kTile, N, cols_of(N, t));
-    if (r < rows) q8_tile<1>(a, r, wt, st, y + t * kTile, N, cols_of(N, t));
+    for (; r + kMaxRows <= rows; r += kMaxRows) quant_tile<Q4, kMaxRows>(a, r, wt, st, y + t * kTile, N, cols_of(N, t));
+    if (r < rows) quant_tile<Q4, 1>(a, r, wt, st, y + t * kTile, N, cols_of(N, t));
   }
+}
+
+void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y) {
+  quant_tiles<false>(a, rows, w, s, N, t0, t1, y);
+}
+
+void q4_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y) {
+  quant_tiles<true>(a, rows, w, s, N, t0, t1, y);
 }
 
 void f32_tiles(const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1, float* y) {

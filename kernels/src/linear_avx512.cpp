@@ -54,25 +54,44 @@ inline __m512i bcast4(const int8_t* q) {
   return _mm512_set1_epi32(v);
 }
 
-// R rows (r0..r0+R) of one tile: every row runs the same sequence whatever R.
-template <int R>
-inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uint16_t* st, float* y, int64_t N,
-                    __mmask16 cols, bool prefetch) {
+inline __mmask16 cols_of(int64_t N, int64_t t) {
+  const int64_t n = N - t * kTile;
+  return n >= kTile ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+}
+
+// R rows (r0..r0+R) of one tile, Q8 or Q4 weights: every row runs the same sequence whatever R.
+template <bool Q4, int R>
+inline void quant_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uint16_t* st, float* y, int64_t N,
+                       __mmask16 cols, bool prefetch) {
+  constexpr int record = Q4 ? kRecord4 : kRecord;
   const int64_t Kb = a.blocks;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[R];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < Kb; ++b) {
-    const uint8_t* rec = wt + b * kRecord;
+    const uint8_t* rec = wt + b * record;
     if (prefetch)
-      #pragma GCC unroll 16
-      for (int l = 0; l < kRecord; l += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + l),
-                                                         _MM_HINT_T1);
+#pragma GCC unroll 16
+      for (int l = 0; l < record; l += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + l),
+                                                        _MM_HINT_T1);
     __m512i wv[8];
-    #pragma GCC unroll 16
-    for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(rec + j * 64);
-    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kTile)));
-    #pragma GCC unroll 16
+    if (Q4) {
+#pragma GCC unroll 16
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(rec + j * 64);
+        wv[j] = _mm512_and_si512(v, nibble);
+        wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(rec + j * 64);
+    }
+    const uint16_t* sb = st + b * kTile * (Q4 ? 2 : 1);
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512 mv = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kTile)))
+                         : _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int64_t rb = (r0 + i) * Kb + b;
       const int8_t* q = a.q + rb * kBlock;
@@ -84,13 +103,46 @@ inline void q8_tile(const QuantRows& a, int64_t r0, const uint8_t* wt, const uin
       z1 = _mm512_dpbusd_epi32(z1, wv[5], bcast4(q + 20));
       z0 = _mm512_dpbusd_epi32(z0, wv[6], bcast4(q + 24));
       z1 = _mm512_dpbusd_epi32(z1, wv[7], bcast4(q + 28));
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(z0, z1), _mm512_set1_epi32(128 * a.qsum[rb]));
-      const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(a.d[rb]));
-      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(sd, _mm512_cvtepi32_ps(dot)));
+      const __m512 dv = _mm512_set1_ps(a.d[rb]);
+      if (Q4) {
+        const __m512i dot = _mm512_add_epi32(z0, z1);
+        const __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(sv, dv), _mm512_cvtepi32_ps(dot));
+        const __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(mv, dv), _mm512_set1_ps(float(a.qsum[rb])));
+        acc[i] = _mm512_add_ps(_mm512_add_ps(acc[i], t1), t2);
+      } else {
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(z0, z1), _mm512_set1_epi32(128 * a.qsum[rb]));
+        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(sv, dv), _mm512_cvtepi32_ps(dot)));
+      }
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * N, cols, canonical(acc[i]));
+}
+
+template <bool Q4>
+void quant_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+                 int64_t t1, float* y) {
+  const int64_t Kb = a.blocks;
+  const bool prefetch = rows >= kPrefetchFromRows;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * Kb * (Q4 ? kRecord4 : kRecord);
+    const uint16_t* st = s + t * Kb * kTile * (Q4 ? 2 : 1);
+    float* yt = y + t * kTile;
+    const __mmask16 cols = cols_of(N, t);
+    int64_t r = 0;
+    for (; r + kMaxRows <= rows; r += kMaxRows) quant_tile<Q4, kMaxRows>(a, r, wt, st, yt, N, cols, prefetch && !r);
+    const bool pf = prefetch && r == 0;
+    switch (rows - r) {
+      case 7: quant_tile<Q4, 7>(a, r, wt, st, yt, N, cols, pf); break;
+      case 6: quant_tile<Q4, 6>(a, r, wt, st, yt, N, cols, pf); break;
+      case 5: quant_tile<Q4, 5>(a, r, wt, st, yt, N, cols, pf); break;
+      case 4: quant_tile<Q4, 4>(a, r, wt, st, yt, N, cols, pf); break;
+      case 3: quant_tile<Q4, 3>(a, r, wt, st, yt, N, cols, pf); break;
+      case 2: quant_tile<Q4, 2>(a, r, wt, st, yt, N, cols, pf); break;
+      case 1: quant_tile<Q4, 1>(a, r, wt, st, yt, N, cols, pf); break;
+      default: break;
+    }
+  }
 }
 
 template <int T, int R>
@@ -118,11 +170,6 @@ inline void f32_tiles_rows(const float* x, int64_t r0, int64_t K, const float* w
     for (int i = 0; i < R; ++i)
       _mm512_mask_storeu_ps(y + (r0 + i) * N + t * kTile, t == T - 1 ? last_cols : __mmask16(0xffff),
                             canonical(acc[t][i]));
-}
-
-inline __mmask16 cols_of(int64_t N, int64_t t) {
-  const int64_t n = N - t * kTile;
-  return n >= kTile ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
 }
 
 template <int T>
@@ -157,27 +204,12 @@ void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d,
 
 void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
               int64_t t1, float* y) {
-  const int64_t Kb = a.blocks;
-  const bool prefetch = rows >= kPrefetchFromRows;
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* wt = w + t * Kb * kRecord;
-    const uint16_t* st = s + t * Kb * kTile;
-    float* yt = y + t * kTile;
-    const __mmask16 cols = cols_of(N, t);
-    int64_t r = 0;
-    for (; r + kMaxRows <= rows; r += kMaxRows) q8_tile<kMaxRows>(a, r, wt, st, yt, N, cols, prefetch && r == 0);
-    const bool pf = prefetch && r == 0;
-    switch (rows - r) {
-      case 7: q8_tile<7>(a, r, wt, st, yt, N, cols, pf); break;
-      case 6: q8_tile<6>(a, r, wt, st, yt, N, cols, pf); break;
-      case 5: q8_tile<5>(a, r, wt, st, yt, N, cols, pf); break;
-      case 4: q8_tile<4>(a, r, wt, st, yt, N, cols, pf); break;
-      case 3: q8_tile<3>(a, r, wt, st, yt, N, cols, pf); break;
-      case 2: q8_tile<2>(a, r, wt, st, yt, N, cols, pf); break;
-      case 1: q8_tile<1>(a, r, wt, st, yt, N, cols, pf); break;
-      default: break;
-    }
-  }
+  quant_tiles<false>(a, rows, w, s, N, t0, t1, y);
+}
+
+void q4_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y) {
+  quant_tiles<true>(a, rows, w, s, N, t0, t1, y);
 }
 
 void f32_tiles(const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1, float* y) {

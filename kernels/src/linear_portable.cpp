@@ -104,6 +104,37 @@ void q8_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t
   }
 }
 
+void q4_tiles(const QuantRows& a, int64_t rows, const uint8_t* w, const uint16_t* s, int64_t N, int64_t t0,
+              int64_t t1, float* y) {
+  const int64_t Kb = a.blocks;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t cols = N - t * kTile < kTile ? N - t * kTile : kTile;
+    for (int64_t r = 0; r < rows; ++r) {
+      float acc[kTile] = {0};
+      for (int64_t b = 0; b < Kb; ++b) {
+        const uint8_t* rec = w + (t * Kb + b) * kRecord4;
+        const uint16_t* sc = s + (t * Kb + b) * 2 * kTile;
+        const int8_t* q = a.q + (r * Kb + b) * kBlock;
+        const float d = a.d[r * Kb + b];
+        const float qsum = float(a.qsum[r * Kb + b]);
+        for (int c = 0; c < kTile; ++c) {
+          int32_t dot = 0;
+          for (int jj = 0; jj < 4; ++jj)
+            for (int e = 0; e < 4; ++e) {
+              const uint8_t byte = rec[(jj * kTile + c) * 4 + e];
+              dot += int32_t(byte & 0x0f) * q[jj * 4 + e] + int32_t(byte >> 4) * q[16 + jj * 4 + e];
+            }
+          const float t1 = (half_to_float(sc[c]) * d) * float(dot);
+          const float t2 = (half_to_float(sc[kTile + c]) * d) * qsum;
+          acc[c] = acc[c] + t1;
+          acc[c] = acc[c] + t2;
+        }
+      }
+      for (int64_t c = 0; c < cols; ++c) y[r * N + t * kTile + c] = canonical(acc[c]);
+    }
+  }
+}
+
 void f32_tiles(const float* x, int64_t rows, int64_t K, const float* w, int64_t N, int64_t t0, int64_t t1, float* y) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t cols = N - t * kTile < kTile ? N - t * kTile : kTile;

@@ -1,6 +1,7 @@
 // ONNX Runtime custom ops of the "eaglex" domain over the batch-invariant linear layers (linear.h):
 //
 //   LinearQ8  (X f32 [..., K], W uint8 [N/16, K/32, 512], S f16 [N/16, K/32, 16]; attrs K, N) -> Y f32 [..., N]
+//   LinearQ4  (X f32 [..., K], W uint8 [N/16, K/32, 256], S f16 [N/16, K/32, 32]; attrs K, N) -> Y f32 [..., N]
 //   LinearF32 (X f32 [..., K], W f32 [N/16, K, 16]; attrs K, N)                                 -> Y f32 [..., N]
 //
 // (N/16 and K/32 rounded up.) The packed weights are the graph's own initializers, read in place: nothing is
@@ -24,7 +25,11 @@ constexpr uint32_t kApiVersion = 17;
 constexpr int64_t kMaxChunks = 16;       // tile chunks a call is split into (>= threads; each chunk contiguous)
 const OrtApi* g_api = nullptr;
 
-enum class Kind { q8, f32 };
+enum class Kind { q8, q4, f32 };
+
+bool quantized(Kind k) { return k != Kind::f32; }
+
+const char* op_name(Kind k) { return k == Kind::q8 ? "LinearQ8" : (k == Kind::q4 ? "LinearQ4" : "LinearF32"); }
 
 struct Op : OrtCustomOp {
   Kind kind;
@@ -80,6 +85,8 @@ void run_chunk(void* data, size_t i) {
   const int64_t t0 = j.tiles * int64_t(i) / j.chunks, t1 = j.tiles * int64_t(i + 1) / j.chunks;
   if (j.kind == Kind::q8)
     q8_tiles(j.isa, j.a, j.rows, j.w8, j.s, j.N, t0, t1, j.y);
+  else if (j.kind == Kind::q4)
+    q4_tiles(j.isa, j.a, j.rows, j.w8, j.s, j.N, t0, t1, j.y);
   else
     f32_tiles(j.isa, j.x, j.rows, j.K, j.w32, j.N, t0, t1, j.y);
 }
@@ -88,25 +95,26 @@ OrtStatus* compute(Kernel* k, OrtKernelContext* ctx) {
   const OrtValue *X = nullptr, *W = nullptr, *S = nullptr;
   EAGLEX_TRY(g_api->KernelContext_GetInput(ctx, 0, &X));
   EAGLEX_TRY(g_api->KernelContext_GetInput(ctx, 1, &W));
-  if (k->kind == Kind::q8) EAGLEX_TRY(g_api->KernelContext_GetInput(ctx, 2, &S));
+  if (quantized(k->kind)) EAGLEX_TRY(g_api->KernelContext_GetInput(ctx, 2, &S));
   std::vector<int64_t> xd, wd, sd;
   EAGLEX_TRY(shape_of(X, &xd));
   EAGLEX_TRY(shape_of(W, &wd));
-  const char* name = k->kind == Kind::q8 ? "LinearQ8" : "LinearF32";
+  const char* name = op_name(k->kind);
   if (xd.empty() || xd.back() != k->K)
     return fail(std::string("eaglex.") + name + ": input X " + dims_text(xd) + " must end in K=" +
                 std::to_string(k->K));
   const int64_t tiles = (k->N + kTile - 1) / kTile, blocks = (k->K + kBlock - 1) / kBlock;
-  const std::vector<int64_t> want_w = k->kind == Kind::q8 ? std::vector<int64_t>{tiles, blocks, kRecord}
-                                                          : std::vector<int64_t>{tiles, k->K, kTile};
+  const std::vector<int64_t> want_w = k->kind == Kind::q8   ? std::vector<int64_t>{tiles, blocks, kRecord}
+                                     : k->kind == Kind::q4 ? std::vector<int64_t>{tiles, blocks, kRecord4}
+                                                           : std::vector<int64_t>{tiles, k->K, kTile};
   if (wd != want_w)
     return fail(std::string("eaglex.") + name + ": packed weight " + dims_text(wd) + " should be " +
                 dims_text(want_w) + " for K=" + std::to_string(k->K) + ", N=" + std::to_string(k->N));
-  if (k->kind == Kind::q8) {
+  if (quantized(k->kind)) {
     EAGLEX_TRY(shape_of(S, &sd));
-    const std::vector<int64_t> want_s{tiles, blocks, kTile};
+    const std::vector<int64_t> want_s{tiles, blocks, k->kind == Kind::q4 ? 2 * kTile : kTile};
     if (sd != want_s)
-      return fail(std::string("eaglex.LinearQ8: scales ") + dims_text(sd) + " should be " + dims_text(want_s));
+      return fail(std::string("eaglex.") + name + ": scales " + dims_text(sd) + " should be " + dims_text(want_s));
   }
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
@@ -134,7 +142,7 @@ OrtStatus* compute(Kernel* k, OrtKernelContext* ctx) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
   thread_local std::vector<int32_t> qsum;
-  if (k->kind == Kind::q8) {
+  if (quantized(k->kind)) {
     job.w8 = static_cast<const uint8_t*>(p);
     EAGLEX_TRY(g_api->GetTensorMutableData(const_cast<OrtValue*>(S), &p));
     job.s = static_cast<const uint16_t*>(p);
@@ -177,6 +185,7 @@ OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
 const char* ORT_API_CALL q8_name(const OrtCustomOp*) { return "LinearQ8"; }
+const char* ORT_API_CALL q4_name(const OrtCustomOp*) { return "LinearQ4"; }
 const char* ORT_API_CALL f32_name(const OrtCustomOp*) { return "LinearF32"; }
 const char* ORT_API_CALL cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 
@@ -186,7 +195,7 @@ ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp* base, size_
   return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 }
 size_t ORT_API_CALL input_count(const OrtCustomOp* base) {
-  return static_cast<const Op*>(base)->kind == Kind::q8 ? 3 : 2;
+  return quantized(static_cast<const Op*>(base)->kind) ? 3 : 2;
 }
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -202,7 +211,7 @@ int ORT_API_CALL latest(const OrtCustomOp*) { return INT_MAX; }
 Op* make_op(Kind kind, Isa isa) {
   Op* op = new Op{};
   op->version = kApiVersion;
-  op->GetName = kind == Kind::q8 ? q8_name : f32_name;
+  op->GetName = kind == Kind::q8 ? q8_name : (kind == Kind::q4 ? q4_name : f32_name);
   op->GetExecutionProviderType = cpu_provider;
   op->GetInputType = input_type;
   op->GetInputTypeCount = input_count;
@@ -248,6 +257,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   OrtCustomOpDomain* domain = nullptr;
   EAGLEX_TRY(api->CreateCustomOpDomain("eaglex", &domain));
   EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_op(Kind::q8, isa)));
+  EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_op(Kind::q4, isa)));
   EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_op(Kind::f32, isa)));
   return api->AddCustomOpDomain(options, domain);
 }

@@ -59,6 +59,28 @@ Q8Weights random_q8(int64_t K, int64_t N, std::mt19937& rng) {
   return out;
 }
 
+// Random packed Q4 weights: nibbles q in [0, 15], fp16 d and m of normal magnitude (m negative or positive).
+Q8Weights random_q4(int64_t K, int64_t N, std::mt19937& rng) {
+  const int64_t tiles = (N + kTile - 1) / kTile, blocks = (K + kBlock - 1) / kBlock;
+  Q8Weights out{std::vector<uint8_t>(size_t(tiles * blocks * kRecord4), 0),
+                std::vector<uint16_t>(size_t(tiles * blocks * 2 * kTile), 0)};
+  std::uniform_int_distribution<int> qd(0, 15), sd(0x1c00, 0x2c00), sign(0, 1);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int c = 0; c < kTile; ++c) {
+        if (t * kTile + c >= N) continue;
+        uint16_t* sc = &out.s[size_t((t * blocks + b) * 2 * kTile)];
+        sc[c] = uint16_t(sd(rng));
+        sc[kTile + c] = uint16_t(sd(rng) | (sign(rng) << 15));
+        for (int k = 0; k < kBlock && b * kBlock + k < K; ++k) {
+          const int jj = (k % 16) / 4, e = k % 4;
+          uint8_t& byte = out.w[size_t((t * blocks + b) * kRecord4 + (jj * kTile + c) * 4 + e)];
+          byte = uint8_t(k < 16 ? (byte & 0xf0) | qd(rng) : (byte & 0x0f) | (qd(rng) << 4));
+        }
+      }
+  return out;
+}
+
 std::vector<float> random_f32_packed(int64_t K, int64_t N, std::mt19937& rng) {
   const int64_t tiles = (N + kTile - 1) / kTile;
   std::vector<float> w(size_t(tiles * K * kTile), 0.0f);
@@ -80,6 +102,20 @@ std::vector<float> q8(Isa isa, const std::vector<float>& x, int64_t M, int64_t K
   const QuantRows a{q.data(), d.data(), qs.data(), blocks};
   for (int64_t i = 0; i < chunks; ++i)
     q8_tiles(isa, a, M, W.w.data(), W.s.data(), N, tiles * i / chunks, tiles * (i + 1) / chunks, y.data());
+  return y;
+}
+
+std::vector<float> q4(Isa isa, const std::vector<float>& x, int64_t M, int64_t K, const Q8Weights& W, int64_t N,
+                      int64_t chunks) {
+  const int64_t blocks = (K + kBlock - 1) / kBlock, tiles = (N + kTile - 1) / kTile;
+  std::vector<int8_t> q(size_t(M * blocks * kBlock) + 1);
+  std::vector<float> d(size_t(M * blocks) + 1);
+  std::vector<int32_t> qs(size_t(M * blocks) + 1);
+  quantize_rows(isa, x.data(), M, K, q.data(), d.data(), qs.data());
+  std::vector<float> y(size_t(M * N));
+  const QuantRows a{q.data(), d.data(), qs.data(), blocks};
+  for (int64_t i = 0; i < chunks; ++i)
+    q4_tiles(isa, a, M, W.w.data(), W.s.data(), N, tiles * i / chunks, tiles * (i + 1) / chunks, y.data());
   return y;
 }
 
@@ -117,6 +153,7 @@ int main() {
   for (int64_t K : Ks)
     for (int64_t N : Ns) {
       const Q8Weights W8 = random_q8(K, N, rng);
+      const Q8Weights W4 = random_q4(K, N, rng);
       const std::vector<float> W32 = random_f32_packed(K, N, rng);
       for (int64_t M : Ms)
         for (int special = 0; special < 2; ++special) {
@@ -125,10 +162,12 @@ int main() {
           for (float& v : x) v = nd(rng);
           if (special && M > 0) fill_specials(x, rng);
           const std::vector<float> ref8 = q8(Isa::portable, x, M, K, W8, N, 1);
+          const std::vector<float> ref4 = q4(Isa::portable, x, M, K, W4, N, 1);
           const std::vector<float> ref32 = f32(Isa::portable, x, M, K, W32, N, 1);
           for (Isa isa : isas) {
             for (int64_t chunks : {int64_t(1), int64_t(3)}) {
               check(same_bits(q8(isa, x, M, K, W8, N, chunks), ref8), "q8 equals portable", M, K, N, isa_name(isa));
+              check(same_bits(q4(isa, x, M, K, W4, N, chunks), ref4), "q4 equals portable", M, K, N, isa_name(isa));
               check(same_bits(f32(isa, x, M, K, W32, N, chunks), ref32), "f32 equals portable", M, K, N,
                     isa_name(isa));
             }
@@ -136,6 +175,7 @@ int main() {
               std::vector<float> xr(x.begin() + r * K, x.begin() + (r + 1) * K);
               xr.push_back(0.0f);
               check(same_bits(q8(isa, xr, 1, K, W8, N, 1), row(ref8, r, N)), "q8 row alone", M, K, N, isa_name(isa));
+              check(same_bits(q4(isa, xr, 1, K, W4, N, 1), row(ref4, r, N)), "q4 row alone", M, K, N, isa_name(isa));
               check(same_bits(f32(isa, xr, 1, K, W32, N, 1), row(ref32, r, N)), "f32 row alone", M, K, N,
                     isa_name(isa));
             }
