@@ -62,10 +62,11 @@ engine: $(STAMP) $(SEEDED) ## build, tune + check the engine of MODEL (default s
 # Engines are built and tuned (eaglex tune, on $(SMOL)/tuning.jsonl: hand-written, apart from the bench's prompts) when absent. SMOL_QUANT="int8 fp8" adds an fp8 engine (scales from
 # `eaglex calibrate` in $(SMOL_CAL)); ONNX Runtime emulates FP8 on CPUs, slower than float32 (2026-12-04: 35 against 45 tokens/s), so it is out by default.
 # w8a8: SmoothQuant int8 weights and per-row int8 activations on ONNX Runtime's integer GEMM (the fastest CPU engine; lower quality than int8).
-# The int8, w8a8 (and int4: SMOL_QUANT="int8 int4") engines quantize their draft head too: the draft only proposes, so its precision moves τ, never the output.
+# The int8, int4 and w8a8 engines quantize their draft head too: the draft only proposes, so its precision moves τ, never the output.
+# On the kernel library (make kernels) int8 and int4 run eaglex's LinearQ8 / LinearQ4 (Q8_0's and Q4_1's numbers).
 SMOL          := models/smollm2-135m
 SMOL_GGUF      = $(shell $(BIN)/python -c "from eaglex.presets import preset_target_file as f; print(f('smollm2-135m'))")
-SMOL_QUANT    ?= int8 w8a8
+SMOL_QUANT    ?= int8 int4 w8a8
 SMOL_CAL      ?= build/smollm2-fp8
 SMOL_PROMPTS  ?= 24
 # The held-out prompts: the hand-written set (no template shared with training; its first 24 cover coding, code to
