@@ -85,6 +85,10 @@ class OrtBackend(SlotBackend):
         self.kv_device = provider_device(self.providers)
         if m.get("kernels"):
             kernels.require(f"engine {engine_dir} runs on eaglex's kernels")
+            if m["kernels"]["version"] != kernels.VERSION:
+                raise ModelError(f"engine {engine_dir} was built for version {m['kernels']['version']} of eaglex's "
+                                 f"kernels, this eaglex has version {kernels.VERSION}: rebuild it with `eaglex build "
+                                 "--force`")
         open_ = {name: open_session(self.engine_dir / g["file"], m["engine_id"], name, self.providers)
                  for name, g in m["graphs"].items()}
         self.target_sess = open_["target"]
