@@ -35,7 +35,8 @@ class Engine:
         from eaglex.runtime.backend import ONE
         from eaglex.runtime.ort_backend import OrtBackend
 
-        self.name, self.path = f"eaglex {Path(path).name}", Path(path)
+        self.path = Path(path)
+        self.name = f"eaglex {self.path.parent.name}/{self.path.name}"
         self.backend, self.one, self.P = OrtBackend(path), ONE, context
         self.backend.reset(context + max_rows)
         ids = torch.tensor([prompt(context)])
@@ -54,8 +55,17 @@ class Engine:
         return statistics.median(times)
 
     def weight_bytes(self) -> int:
-        files = self.backend.manifest["graphs"]["target"]["files"]
-        return sum((self.path / f).stat().st_size for f in files)
+        """Bytes of the target's weights a forward streams: every initializer but the embedding table (a Gather
+        reads one row of it per token)."""
+        import onnx
+        from onnx import helper
+
+        graph = onnx.load(str(self.path / self.backend.manifest["graphs"]["target"]["file"]),
+                          load_external_data=False).graph
+        gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
+        size = {t.name: int(np.prod(t.dims)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                for t in graph.initializer}
+        return sum(b for name, b in size.items() if name not in gathered)
 
 
 def read_floor(nbytes: int, threads: int, reps: int = 7) -> float:
