@@ -82,7 +82,8 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
     engine_id = hashlib.sha256(json.dumps([FORMAT_VERSION, dtype, sources], sort_keys=True).encode()).hexdigest()[:16]
     meta = {"eaglex.engine_id": engine_id, "eaglex.format_version": str(FORMAT_VERSION)}
 
-    target_section, draft_section, graphs, references = _export(target_dir, draft_dir, tmp, dtype, meta, progress)
+    target_section, draft_section, graphs, references = _export(target_dir, draft_dir, tmp, dtype, meta, progress,
+                                                                 use_kernels)
     _release_memory()                          # torch's weights are gone before ORT loads its own copy
     if use_kernels:
         _on_kernels(tmp, graphs, progress)
@@ -117,8 +118,9 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
     }
 
 
-def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: bool):
-    """Load the torch models, export every graph, keep torch's parity outputs; the models die with this frame."""
+def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: bool, use_kernels: bool = False):
+    """Load the torch models, export every graph, keep torch's parity outputs; the models die with this frame.
+    `use_kernels`: the attention as eaglex's fused op (its linear layers follow in _on_kernels)."""
     from eaglex.export.graphs import draft_graphs, target_graph
     from eaglex.export.layout import to_matmul_layout
     from eaglex.export.onnx_export import export_graph
@@ -146,7 +148,7 @@ def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: 
     specs = [target_graph(target)] + (draft_graphs(head) if head is not None else [])
     graphs, references = {}, {}
     for spec in tqdm(specs, desc="export", unit="graph", disable=not progress, file=sys.stderr):
-        res = export_graph(spec, tmp, {**meta, "eaglex.graph": spec.name})
+        res = export_graph(spec, tmp, {**meta, "eaglex.graph": spec.name}, fused_attention=use_kernels)
         references[spec.name] = reference_cases(spec)
         graphs[spec.name] = {"file": res.path.name, "files": [f.name for f in res.files],
                              "inputs": spec.input_names, "outputs": spec.output_names,
@@ -180,9 +182,9 @@ def _on_kernels(tmp: Path, graphs: dict, progress: bool) -> None:
 def kernels_record(graphs: dict) -> dict | None:
     """The manifest's `kernels`: the eaglex ops the graphs use and the library version they need; None when every
     graph runs on ONNX Runtime's stock ops."""
-    from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q4_OP, Q8_OP, VERSION
+    from eaglex.base.kernel_ops import DOMAIN, OPS, VERSION
 
-    ops = {op: sum(g["ops"].get(op, 0) for g in graphs.values()) for op in (F32_OP, Q8_OP, Q4_OP)}
+    ops = {op: sum(g["ops"].get(op, 0) for g in graphs.values()) for op in OPS}
     ops = {op: n for op, n in ops.items() if n}
     return {"domain": DOMAIN, "version": VERSION, "ops": ops} if ops else None
 

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from eaglex.base.kernel_ops import DOMAIN, F32_OP, Q4_OP, Q8_OP, VERSION
+from eaglex.base.kernel_ops import ATTENTION_OP, DOMAIN, F32_OP, Q4_OP, Q8_OP, VERSION
 
 TILE, BLOCK = 16, 32
 F32_SUFFIX, Q8_SUFFIX, SCALE_SUFFIX, Q4_SUFFIX, Q4_SCALE_SUFFIX = ".f32p", ".q8p", ".q8s", ".q4p", ".q4s"
@@ -202,12 +202,13 @@ def to_kernel_q4(model: onnx.ModelProto, keep: set[str] = frozenset()) -> list[s
 
 def to_stock(model: onnx.ModelProto) -> int:
     """eaglex.LinearF32 -> MatMul over the original [K, N] weight (bit for bit), in place. Returns the nodes
-    rewritten; a LinearQ8 cannot go back (its float weights are gone): ValueError."""
+    rewritten; a LinearQ8 cannot go back (its float weights are gone): ValueError. eaglex.TreeAttention stays (it
+    holds no weights; the graph keeps needing the library)."""
     inits = {t.name: t for t in model.graph.initializer}
     replaced: dict[str, list[onnx.TensorProto]] = {}
     count = 0
     for node in model.graph.node:
-        if node.domain != DOMAIN:
+        if node.domain != DOMAIN or node.op_type == ATTENTION_OP:
             continue
         if node.op_type != F32_OP:
             raise ValueError(f"{node.name} is an {DOMAIN}.{node.op_type}: quantized already")

@@ -63,8 +63,10 @@ class ExportResult:
         return sum(f.stat().st_size for f in self.files)
 
 
-def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None = None) -> ExportResult:
-    """Trace `spec` to `out_dir/<name>.onnx` (+ `.onnx.data` above ~2 GiB) and check its structure."""
+def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None = None,
+                 fused_attention: bool = False) -> ExportResult:
+    """Trace `spec` to `out_dir/<name>.onnx` (+ `.onnx.data` above ~2 GiB) and check its structure.
+    `fused_attention`: each layer's attention as one eaglex.TreeAttention (the kernel library's op)."""
     t0 = time.perf_counter()
     path = Path(out_dir) / f"{spec.name}.onnx"
     with _quiet(), torch.inference_mode(False), torch.no_grad():
@@ -83,13 +85,13 @@ def export_graph(spec: GraphSpec, out_dir: Path, metadata: dict[str, str] | None
     files = [path] + ([path.with_name(path.name + ".data")] if external else [])
     check_structure(path, spec.attention_nodes)
     if spec.heads:
-        nodes = _engine_rewrites(path, spec.heads)
+        nodes = _engine_rewrites(path, spec.heads, fused_attention)
     else:
         nodes = _ops(onnx.load(str(path), load_external_data=False))
     return ExportResult(spec.name, path, files, time.perf_counter() - t0, nodes)
 
 
-def _engine_rewrites(path: Path, heads: tuple[int, int, int]) -> Counter:
+def _engine_rewrites(path: Path, heads: tuple[int, int, int], fused_attention: bool = False) -> Counter:
     """The rewrites every engine graph with attention gets: RoPE and skip + RMS norm fused (export/fuse.py), KV
     buffers written in place and row-independent attention (export/row_attention.py), then fewer layout copies
     around the heads (export/fuse.py). They change the saved graph's structure only: the weights (external data)
@@ -98,7 +100,7 @@ def _engine_rewrites(path: Path, heads: tuple[int, int, int]) -> Counter:
     fuse_rotary(model)
     fuse_skip_rms_norm(model)
     try:
-        rewrite_attention(model, *heads)
+        rewrite_attention(model, *heads, fused=fused_attention)
     except ValueError as e:
         raise ExportError(f"{path.name}: {e}") from None
     fuse_head_transposes(model, heads[1])

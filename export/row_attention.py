@@ -45,6 +45,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from eaglex.base.kernel_ops import ATTENTION_OP, DOMAIN, VERSION
+
 MAX_SLICE = 16                  # output columns per product: MLAS's smallest column stride, hence its largest K block
 ROW_INDEPENDENT_KEYS = 1024     # MLAS_SGEMM_STRIDEK (128) * MLAS_SGEMM_STRIDEN (128) / 16
 MAX_HEAD_DIM = 128              # Q @ K^T sums D in one block only while D <= MLAS_SGEMM_STRIDEK
@@ -79,10 +81,15 @@ def from_buffer(present: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(present.transpose(1, 2, 0, 3))
 
 
-def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int, head_dim: int,
+                      fused: bool = False) -> int:
     """Rewrite, in place, every `Attention(Q [B,Hq,N,D], Concat(past_k, k), Concat(past_v, v), bool mask [B,1,N,T])`
     whose Concats read graph inputs past_* and are the graph outputs present_*, as described above; returns how many
-    were rewritten. ValueError for any other form (the graph is left unusable then: callers drop it)."""
+    were rewritten. ValueError for any other form (the graph is left unusable then: callers drop it).
+
+    `fused`: each layer becomes one eaglex.TreeAttention instead (kernels/, the same buffers and mask), fed the
+    projections in their own [B,N,H*D] layout: the head Reshape/Transpose pairs around it go, and a rotary on them
+    runs on the 3-D projection (the same per-element arithmetic)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     g = model.graph
@@ -103,7 +110,13 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int,
         "ra_G": np.array([G], np.int64),
         "ra_step": np.array(1, np.int64),
         "ra_min": np.array(np.finfo(np.float32).min, np.float32),  # not -inf: a fully masked row stays finite
+        "ra_flat": np.array([0, 0, -1], np.int64),
+        "ra_yheads": np.array([0, 0, num_heads, D], np.int64),
     }
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
     pending: list[onnx.NodeProto] = []
     derived: dict[str, tuple[str, str, str]] = {}
 
@@ -141,6 +154,41 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int,
                              "and a graph output")
         return c, c.input[0], c.input[1]
 
+    def op(name: str, op_type: str, perm: list[int] | None = None) -> onnx.NodeProto | None:
+        n = producer.get(name)
+        if n is None or n.op_type != op_type or n.domain not in ("", "ai.onnx"):
+            return None
+        if perm is not None and [list(a.ints) for a in n.attribute if a.name == "perm"] != [perm]:
+            return None
+        return n
+
+    def rows_form(x: str, heads: int, tag: str) -> str:
+        """x [B,H,N,D] as a tensor in the [B,N,H*D] layout: the head split it was made by, undone."""
+        rot = op(x, "RotaryEmbedding")
+        inner = rot.input[0] if rot is not None and len(rot.input) == 3 and not rot.attribute else x
+        t = op(inner, "Transpose", [0, 2, 1, 3])
+        r = op(t.input[0], "Reshape") if t is not None else None
+        if r is None:
+            flat = node("Reshape", [node("Transpose", [x], tag + "_bnhd", perm=[0, 2, 1, 3]), "ra_flat"], tag + "_flat")
+            return flat
+        if inner == x:
+            return r.input[0]
+        pending.append(helper.make_node("RotaryEmbedding", [r.input[0], rot.input[1], rot.input[2]], [tag + "_rot"],
+                                        name=tag + "_rot", num_heads=heads))
+        return tag + "_rot"
+
+    def heads_output(y3: str, y: str, tag: str) -> None:
+        """The op's [B,N,Hq*D] output where the graph read Y [B,Hq,N,D]: a Transpose(0,2,1,3) then Reshape reading
+        Y alone read y3 instead; other readers get Y back through a Reshape and a Transpose."""
+        users = consumers.get(y, [])
+        t = users[0] if len(users) == 1 and users[0].op_type == "Transpose" else None
+        later = consumers.get(t.output[0], []) if t is not None else []
+        if t is not None and [list(a.ints) for a in t.attribute if a.name == "perm"] == [[0, 2, 1, 3]] \
+                and len(later) == 1 and later[0].op_type == "Reshape" and y not in outputs:
+            later[0].input[0] = y3
+            return
+        node("Transpose", [node("Reshape", [y3, "ra_yheads"], tag + "_heads")], y, perm=[0, 2, 1, 3])
+
     kv_names: set[str] = set()
     concats: set[int] = set()
     out_nodes, replaced = [], 0
@@ -155,6 +203,20 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int,
         scale = float(attrs.get("scale", 1.0 / np.sqrt(D)))
         q, k, v, mask = n.input
         p = f"ra{replaced}"
+        if fused:
+            (ck, past_k, new_k), (cv, past_v, new_v) = kv_concat(k), kv_concat(v)
+            concats.update((id(ck), id(cv)))
+            kv_names.update((past_k, k, past_v, v))
+            y3 = p + "_y"
+            pending.append(helper.make_node(
+                ATTENTION_OP, [rows_form(q, num_heads, p + "_q"), rows_form(new_k, num_kv_heads, p + "_k"),
+                               rows_form(new_v, num_kv_heads, p + "_v"), past_k, past_v, mask],
+                [y3, k, v], name=p + "_attention", domain=DOMAIN, scale=scale))
+            heads_output(y3, n.output[0], p)
+            out_nodes += pending
+            pending.clear()
+            replaced += 1
+            continue
         rows, ones, index = per_graph(mask)
         for buf, kind in ((k, "k"), (v, "v")):
             c, past, new = kv_concat(buf)
@@ -194,6 +256,7 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int,
             span["end"].i = span["start"].i + 1
     del g.node[:]
     g.node.extend(n for n in out_nodes if id(n) not in concats)
+    _drop_unread(g)
     for value in list(g.input) + list(g.output):
         if value.name in kv_names:
             dims = value.type.tensor_type.shape.dim             # [B,Hkv,P|T,D] -> [P+N,B,Hkv,D]
@@ -203,7 +266,21 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int,
             del dims[:]
             dims.add().dim_param = ROWS_AXIS
             dims.extend(kept)
-    g.initializer.extend(numpy_helper.from_array(a, name) for name, a in consts.items())
-    if not any(o.domain == _MS for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(_MS, 1))
+    read = {i for n in g.node for i in n.input}
+    g.initializer.extend(numpy_helper.from_array(a, name) for name, a in consts.items() if name in read)
+    for domain, version in ((_MS, 1), (DOMAIN, VERSION)):
+        if any(n.domain == domain for n in g.node) and not any(o.domain == domain for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(domain, version))
     return replaced
+
+
+def _drop_unread(g: onnx.GraphProto) -> None:
+    """Removes, in place, the nodes none of whose outputs is read by another node or is a graph output."""
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {i for n in g.node for i in n.input} | outputs
+        kept = [n for n in g.node if any(o in read for o in n.output)]
+        if len(kept) == len(g.node):
+            return
+        del g.node[:]
+        g.node.extend(kept)

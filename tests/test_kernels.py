@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from eaglex.base.errors import ModelError
 from eaglex.export import kernel_graphs as kg
-from eaglex.runtime import kernels
+from eaglex.runtime import kernels, ort_session
 
 REPO = Path(__file__).resolve().parents[1]
 needs_library = pytest.mark.skipif(not kernels.available(), reason="the kernel library is not built (make kernels)")
@@ -126,9 +126,8 @@ def linear_model(w: np.ndarray, op: str) -> onnx.ModelProto:
 def session(model: onnx.ModelProto, isa: str | None = None, monkeypatch=None) -> ort.InferenceSession:
     if isa is not None:
         monkeypatch.setenv("EAGLEX_ISA", isa)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    assert kernels.register(so)
+    # the process-wide pool every eaglex session runs on (ONNX Runtime refuses per-session threads once it exists)
+    so = ort_session.session_options()
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     if isa is not None:
         monkeypatch.delenv("EAGLEX_ISA")
@@ -323,9 +322,11 @@ def test_engines_record_their_kernels(kernel_engines, models):
 
     L = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
     f32, int8, stock = (read_manifest(kernel_engines[k]) for k in ("f32", "int8", "stock"))
-    assert f32["kernels"] == {"domain": "eaglex", "version": kernels.VERSION,
-                              "ops": {"LinearF32": sum(g["ops"].get("LinearF32", 0) for g in f32["graphs"].values())}}
+    count = {op: sum(g["ops"].get(op, 0) for g in f32["graphs"].values()) for op in ("LinearF32", "TreeAttention")}
+    assert f32["kernels"] == {"domain": "eaglex", "version": kernels.VERSION, "ops": count}
     assert f32["graphs"]["target"]["ops"]["LinearF32"] == 7 * L + 1                 # every linear layer
+    assert f32["graphs"]["target"]["ops"]["TreeAttention"] == L                     # one attention node a layer
+    assert {"FusedMatMul", "ScatterND", "Where", "Exp"}.isdisjoint(f32["graphs"]["target"]["ops"])   # no decomposition
     assert int8["graphs"]["target"]["ops"]["LinearQ8"] == 4 * L + 1          # q|k|v and gate|up fused
     assert "LinearQ8" in int8["graphs"]["draft"]["ops"] and int8["quant"]["format"].startswith("eaglex::LinearQ8")
     assert stock["kernels"] is None and "MatMul" in stock["graphs"]["target"]["ops"]

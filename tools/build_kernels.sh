@@ -32,8 +32,8 @@ mkdir -p "$(dirname "$OUT")"
 asan=$([ -n "${EAGLEX_ASAN:-}" ] && echo ON || echo OFF)
 { cmake -S kernels -B "$OUT" -DORT_INCLUDE_DIR="$PWD/$HEADERS" -DEAGLEX_ASAN="$asan" &&
   cmake --build "$OUT" -j"$(nproc)"; } >"$LOG" 2>&1 || skip "the build failed: see $LOG"
-if ! "$OUT/eaglex_linear_test" >>"$LOG" 2>&1; then
+if ! { "$OUT/eaglex_linear_test" && "$OUT/eaglex_attention_test"; } >>"$LOG" 2>&1; then
   rm -f "$OUT/libeaglex_kernels.so"
   skip "its self-test failed: see $LOG"
 fi
-echo "eaglex kernels: $OUT/libeaglex_kernels.so ($(tail -1 "$LOG"))"
+echo "eaglex kernels: $OUT/libeaglex_kernels.so (linear $(tail -2 "$LOG" | head -1); attention $(tail -1 "$LOG"))"

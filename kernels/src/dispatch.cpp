@@ -3,6 +3,7 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "attention.h"
 #include "linear.h"
 
 namespace eaglex {
@@ -94,6 +95,17 @@ void f32_tiles(Isa isa, const float* x, int64_t rows, int64_t K, const float* w,
     case Isa::avx2: return avx2::f32_tiles(x, rows, K, w, N, t0, t1, y);
 #endif
     default: return portable::f32_tiles(x, rows, K, w, N, t0, t1, y);
+  }
+}
+
+void attention_heads(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+                     const uint8_t* mask, int64_t u0, int64_t u1, float* y) {
+  switch (isa) {
+#ifdef EAGLEX_X86
+    case Isa::avx512: return avx512::attention_heads(s, q, k, v, mask, u0, u1, y);
+    case Isa::avx2: return avx2::attention_heads(s, q, k, v, mask, u0, u1, y);
+#endif
+    default: return portable::attention_heads(s, q, k, v, mask, u0, u1, y);
   }
 }
 

@@ -3,6 +3,11 @@
 //   LinearQ8  (X f32 [..., K], W uint8 [N/16, K/32, 512], S f16 [N/16, K/32, 16]; attrs K, N) -> Y f32 [..., N]
 //   LinearQ4  (X f32 [..., K], W uint8 [N/16, K/32, 256], S f16 [N/16, K/32, 32]; attrs K, N) -> Y f32 [..., N]
 //   LinearF32 (X f32 [..., K], W f32 [N/16, K, 16]; attrs K, N)                                 -> Y f32 [..., N]
+//   TreeAttention (Q f32 [B, N, Hq*D], K, V f32 [B, N, Hkv*D], past_key, past_value f32 [T, B, Hkv, D],
+//                  mask bool [B, 1, N, T]; attr scale) -> Y f32 [B, N, Hq*D], present_key, present_value [T, B, Hkv, D]
+//     K and V are written as rows T-N..T-1 of the present buffers (in place when the caller binds present_* to the
+//     memory of past_*; copied otherwise), then every query row attends to the keys its mask row allows
+//     (attention.h).
 //
 // (N/16 and K/32 rounded up.) The packed weights are the graph's own initializers, read in place: nothing is
 // repacked or held twice. Work is split over ONNX Runtime's intra-op pool by contiguous tile chunks; a tile's
@@ -12,9 +17,11 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "linear.h"
 #include "onnxruntime_c_api.h"
 
@@ -161,6 +168,94 @@ OrtStatus* compute(Kernel* k, OrtKernelContext* ctx) {
   return g_api->KernelContext_ParallelFor(ctx, run_chunk, size_t(job.chunks), 0, &job);
 }
 
+// --- TreeAttention ---------------------------------------------------------------------------------------------
+
+struct AttentionKernel {
+  Isa isa;
+  float scale;
+};
+
+struct AttentionJob {
+  Isa isa;
+  AttentionShape shape;
+  const float *q, *k, *v;
+  const uint8_t* mask;
+  float* y;
+  int64_t units, chunks;
+};
+
+void run_attention_chunk(void* data, size_t i) {
+  const AttentionJob& j = *static_cast<const AttentionJob*>(data);
+  attention_heads(j.isa, j.shape, j.q, j.k, j.v, j.mask, j.units * int64_t(i) / j.chunks,
+                  j.units * int64_t(i + 1) / j.chunks, j.y);
+}
+
+OrtStatus* attention_fail(const std::string& msg) { return fail("eaglex.TreeAttention: " + msg); }
+
+// The new rows [B, N, Hkv, D] into rows T-N.. of the buffer [T, B, Hkv, D]; the past rows copied first when the
+// output is not the input's memory.
+void write_rows(const float* past, const float* rows, const AttentionShape& s, float* present) {
+  const int64_t row = s.B * s.Hkv * s.D;
+  if (present != past) std::memcpy(present, past, size_t((s.T - s.N) * row) * sizeof(float));
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t b = 0; b < s.B; ++b)
+      std::memcpy(present + (s.T - s.N + n) * row + b * s.Hkv * s.D, rows + (b * s.N + n) * s.Hkv * s.D,
+                  size_t(s.Hkv * s.D) * sizeof(float));
+}
+
+OrtStatus* compute_attention(AttentionKernel* k, OrtKernelContext* ctx) {
+  const OrtValue* in[6] = {};
+  std::vector<int64_t> d[6];
+  for (size_t i = 0; i < 6; ++i) {
+    EAGLEX_TRY(g_api->KernelContext_GetInput(ctx, i, &in[i]));
+    EAGLEX_TRY(shape_of(in[i], &d[i]));
+  }
+  if (d[3].size() != 4 || d[4] != d[3])
+    return attention_fail("past_key " + dims_text(d[3]) + " and past_value " + dims_text(d[4]) +
+                          " must be one shape [T, B, Hkv, D]");
+  if (d[5].size() != 4 || d[5][1] != 1)
+    return attention_fail("mask " + dims_text(d[5]) + " must be [B, 1, N, T]");
+  const int64_t T = d[3][0], B = d[3][1], Hkv = d[3][2], D = d[3][3], N = d[5][2];
+  const std::vector<int64_t> mask{B, 1, N, T}, kv{B, N, Hkv * D};
+  if (d[5] != mask) return attention_fail("mask " + dims_text(d[5]) + " must be [B, 1, N, T] = " + dims_text(mask));
+  if (D <= 0 || D > kMaxHeadDim || Hkv <= 0)
+    return attention_fail("the buffers' head dim must be 1.." + std::to_string(kMaxHeadDim) + " with a KV head, got " +
+                          dims_text(d[3]));
+  if (d[0].size() != 3 || d[0][0] != B || d[0][1] != N || d[0][2] % (Hkv * D) != 0)
+    return attention_fail("Q " + dims_text(d[0]) + " must be [B, N, Hq * D] = [" + std::to_string(B) + "," +
+                          std::to_string(N) + ", a multiple of " + std::to_string(Hkv * D) + "]");
+  if (d[1] != kv || d[2] != kv)
+    return attention_fail("K " + dims_text(d[1]) + " and V " + dims_text(d[2]) + " must be [B, N, Hkv * D] = " +
+                          dims_text(kv));
+  if (T < N) return attention_fail("the buffers' " + std::to_string(T) + " rows cannot hold " + std::to_string(N) +
+                                   " new rows");
+  const int64_t Hq = d[0][2] / D;
+  const AttentionShape shape{B, Hq, Hkv, N, T, D, k->scale};
+  OrtValue* out[3] = {};
+  EAGLEX_TRY(g_api->KernelContext_GetOutput(ctx, 0, d[0].data(), 3, &out[0]));
+  EAGLEX_TRY(g_api->KernelContext_GetOutput(ctx, 1, d[3].data(), 4, &out[1]));
+  EAGLEX_TRY(g_api->KernelContext_GetOutput(ctx, 2, d[3].data(), 4, &out[2]));
+  void* p[6] = {};
+  for (size_t i = 0; i < 6; ++i) EAGLEX_TRY(g_api->GetTensorMutableData(const_cast<OrtValue*>(in[i]), &p[i]));
+  void* o[3] = {};
+  for (size_t i = 0; i < 3; ++i) EAGLEX_TRY(g_api->GetTensorMutableData(out[i], &o[i]));
+  if (B * Hkv * D == 0) return nullptr;
+  write_rows(static_cast<const float*>(p[3]), static_cast<const float*>(p[1]), shape, static_cast<float*>(o[1]));
+  write_rows(static_cast<const float*>(p[4]), static_cast<const float*>(p[2]), shape, static_cast<float*>(o[2]));
+  if (N == 0) return nullptr;
+
+  AttentionJob job{k->isa, shape, static_cast<const float*>(p[0]), static_cast<const float*>(o[1]),
+                   static_cast<const float*>(o[2]), static_cast<const uint8_t*>(p[5]), static_cast<float*>(o[0]),
+                   B * Hq, 1};
+  // threads only where the work outweighs waking them; a head's rows are one thread's whatever the split
+  if (B * Hq * N * T * D >= (int64_t(1) << 16)) job.chunks = job.units < kMaxChunks ? job.units : kMaxChunks;
+  if (job.chunks == 1) {
+    run_attention_chunk(&job, 0);
+    return nullptr;
+  }
+  return g_api->KernelContext_ParallelFor(ctx, run_attention_chunk, size_t(job.chunks), 0, &job);
+}
+
 // --- OrtCustomOp callbacks -------------------------------------------------------------------------------------
 
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp* base, const OrtApi* api, const OrtKernelInfo* info,
@@ -183,6 +278,33 @@ OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+OrtStatus* ORT_API_CALL create_attention(const OrtCustomOp* base, const OrtApi* api, const OrtKernelInfo* info,
+                                         void** out) {
+  float scale = 0.0f;
+  EAGLEX_TRY(api->KernelInfoGetAttribute_float(info, "scale", &scale));
+  if (!(scale > 0.0f) || scale == std::numeric_limits<float>::infinity())
+    return fail("eaglex.TreeAttention: attribute scale must be positive and finite");
+  *out = new AttentionKernel{static_cast<const Op*>(base)->isa, scale};
+  return nullptr;
+}
+
+OrtStatus* ORT_API_CALL compute_attention_kernel(void* kernel, OrtKernelContext* ctx) {
+  try {
+    return compute_attention(static_cast<AttentionKernel*>(kernel), ctx);
+  } catch (const std::exception& e) {
+    return g_api->CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+void ORT_API_CALL destroy_attention(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
+
+const char* ORT_API_CALL attention_name(const OrtCustomOp*) { return "TreeAttention"; }
+ONNXTensorElementDataType ORT_API_CALL attention_input_type(const OrtCustomOp*, size_t i) {
+  return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+size_t ORT_API_CALL six(const OrtCustomOp*) { return 6; }
+size_t ORT_API_CALL three(const OrtCustomOp*) { return 3; }
 
 const char* ORT_API_CALL q8_name(const OrtCustomOp*) { return "LinearQ8"; }
 const char* ORT_API_CALL q4_name(const OrtCustomOp*) { return "LinearQ4"; }
@@ -234,6 +356,18 @@ Op* make_op(Kind kind, Isa isa) {
   return op;
 }
 
+Op* make_attention_op(Isa isa) {
+  Op* op = make_op(Kind::f32, isa);
+  op->GetName = attention_name;
+  op->GetInputType = attention_input_type;
+  op->GetInputTypeCount = six;
+  op->GetOutputTypeCount = three;
+  op->KernelDestroy = destroy_attention;
+  op->CreateKernelV2 = create_attention;
+  op->KernelComputeV2 = compute_attention_kernel;
+  return op;
+}
+
 }  // namespace
 }  // namespace eaglex
 
@@ -259,6 +393,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_op(Kind::q8, isa)));
   EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_op(Kind::q4, isa)));
   EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_op(Kind::f32, isa)));
+  EAGLEX_TRY(api->CustomOpDomain_Add(domain, make_attention_op(isa)));
   return api->AddCustomOpDomain(options, domain);
 }
 
@@ -290,5 +425,5 @@ __attribute__((visibility("default"))) uint64_t eaglex_read_bytes(const uint8_t*
 }
 
 // Bumped whenever an op's inputs, attributes or arithmetic change: engines record the version they were built for.
-__attribute__((visibility("default"))) int eaglex_kernels_version() { return 1; }
+__attribute__((visibility("default"))) int eaglex_kernels_version() { return 2; }
 }
