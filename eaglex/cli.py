@@ -678,8 +678,11 @@ def cmd_build(args) -> int:
         warning = quality_warning(manifest)
         if warning:
             print(warning, file=sys.stderr)
-        rules = manifest.get("exactness") or {}
-        if rules.get("row_independent_keys"):
+        rules = manifest.get("exactness")
+        if rules == {}:
+            print("  rows computed independently of the call at any context (eaglex's kernels): exact against this "
+                  "engine's vanilla decoding with any tree and in batches")
+        elif rules and rules.get("row_independent_keys"):
             print(f"  rows computed independently of the call (up to {rules['row_independent_keys']} keys per call): "
                   "exact against this engine's vanilla decoding with any tree and in batches")
         elif rules:

@@ -44,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eaglex.base.errors import ModelError
+from eaglex.base.kernel_ops import ATTENTION_OP
 from eaglex.engines.build import kernels_record
 from eaglex.export.parity import ort_feeds, torch_outputs
 from eaglex.export.row_attention import ROW_INDEPENDENT_KEYS
@@ -277,8 +278,11 @@ def _updated_manifest(m: dict, folder: Path, quant: str, reports: dict, source: 
     # the float engine's tuned tree and schedule do not carry over: this engine runs (and is tuned) otherwise
     out["tree"] = None
     if quant in EXACTNESS and "target" in reports:
-        out["exactness"] = EXACTNESS[quant]
-        out["tree"] = "chain:2" if EXACTNESS[quant].get("trees") == "chain" else None
+        rules = EXACTNESS[quant]
+        if rules is ROW_INDEPENDENT and ATTENTION_OP in ops:
+            rules = {}                      # eaglex.TreeAttention's rows are independent of the call at any context
+        out["exactness"] = rules
+        out["tree"] = "chain:2" if rules.get("trees") == "chain" else None
     for key in ("tuning", "batch_schedule"):
         out.pop(key, None)
     return out

@@ -27,9 +27,9 @@ from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
 MAX_NEW = 40
-ENGINES = {   # engine -> (target, head, tree the loop drafts with, tau floor)
-    "llama-eagle3": ("llama", "eagle3", TreeConfig.parse("dynamic:60/8/10"), 2.0),
-    "qwen2-eagle1": ("qwen2", "eagle1", TreeConfig("static"), 1.5),
+ENGINES = {   # engine -> (target, head, tree the loop drafts with, tau floor, kernels)
+    "llama-eagle3": ("llama", "eagle3", TreeConfig.parse("dynamic:60/8/10"), 2.0, "auto"),
+    "qwen2-eagle1": ("qwen2", "eagle1", TreeConfig("static"), 1.5, "stock"),
 }
 
 
@@ -37,8 +37,8 @@ ENGINES = {   # engine -> (target, head, tree the loop drafts with, tau floor)
 def engines(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     out = {}
-    for name, (target, head, _, _) in ENGINES.items():
-        build_engine(models[target], models[f"{target}/{head}"], root / name, progress=False)
+    for name, (target, head, _, _, kernels) in ENGINES.items():
+        build_engine(models[target], models[f"{target}/{head}"], root / name, progress=False, kernels=kernels)
         out[name] = root / name
     return out
 
@@ -47,18 +47,23 @@ def engines(models, tmp_path_factory):
 def test_export_parity_and_structure(name, engines):
     m = read_manifest(engines[name])
     layers = m["target"]["spec"]["num_layers"]
+    fused = "TreeAttention" in m["graphs"]["target"]["ops"]          # built on eaglex's kernels
     for graph, n in (("target", layers), ("draft", 1)):
         ops = m["graphs"][graph]["ops"]
-        assert "Attention" not in ops and ops["FusedMatMul"] == 3 * n and ops["ScatterND"] == 2 * n
+        if fused:
+            assert ops["TreeAttention"] == n and not {"Attention", "FusedMatMul", "ScatterND"} & set(ops)
+        else:
+            assert "Attention" not in ops and ops["FusedMatMul"] == 3 * n and ops["ScatterND"] == 2 * n
         assert ops["RotaryEmbedding"] == 2 * n
     assert m["graphs"]["target"]["ops"]["SkipSimplifiedLayerNormalization"] == 2 * layers
     assert {"LogSoftmax", "TopK"} <= set(m["graphs"]["draft"]["ops"])
     assert ("draft_fc" in m["graphs"]) == (m["draft"]["kind"] == "eagle3")
     for graph, report in m["parity"].items():
         assert report["cases"] >= 1 and report["worst"] < 1e-4, (graph, report)
-    # Each present_* is its past_* buffer with the new rows scattered in (in place when bound to it), nothing else
-    # reads a past, and the attention reads the keys/values from that buffer as they lie (transBatchB): no copy of
-    # the cache, no repeat_kv.
+    # Each present_* is its past_* buffer with the new rows written in (in place when bound to it), nothing else
+    # reads a past, and the attention reads the keys/values from that buffer as they lie: no copy of the cache, no
+    # repeat_kv. Stock ops: ScatterND writes, FusedMatMul (transBatchB) reads; kernels: one TreeAttention does both,
+    # fed the projections (or their rotary) in their own layout.
     for graph in ("target", "draft"):
         g = onnx.load(str(engines[name] / f"{graph}.onnx")).graph
         producer = {o: n for n in g.node for o in n.output}
@@ -66,6 +71,13 @@ def test_export_parity_and_structure(name, engines):
         assert len(pasts) == 2 * (layers if graph == "target" else 1)
         for past in pasts:
             present = "present_" + past[len("past_"):]
+            if fused:
+                node = producer[present]
+                assert node.op_type == "TreeAttention" and past in node.input[3:5]
+                assert {n.op_type for n in g.node if past in n.input} <= {"TreeAttention", "Shape"}
+                assert not [n for n in g.node if present in n.input]
+                assert {producer[i].op_type for i in node.input[:3]} <= {"RotaryEmbedding", "Split", "LinearF32"}
+                continue
             assert producer[present].op_type == "ScatterND" and producer[present].input[0] == past
             assert {n.op_type for n in g.node if past in n.input} <= {"ScatterND", "Shape"}
             readers = [n for n in g.node if present in n.input and n.op_type != "Reshape"]
@@ -85,9 +97,9 @@ def test_head_layouts_keep_every_number(models, tmp_path, monkeypatch):
 
     import eaglex.export.onnx_export as ox
     from eaglex.runtime.ort_session import session_options
-    build_engine(models["llama"], models["llama/eagle3"], tmp_path / "with", progress=False)
+    build_engine(models["llama"], models["llama/eagle3"], tmp_path / "with", progress=False, kernels="stock")
     monkeypatch.setattr(ox, "fuse_head_transposes", lambda model, kv_heads: 0)
-    build_engine(models["llama"], models["llama/eagle3"], tmp_path / "without", progress=False)
+    build_engine(models["llama"], models["llama/eagle3"], tmp_path / "without", progress=False, kernels="stock")
     layers = read_manifest(tmp_path / "with")["target"]["spec"]["num_layers"]
     ops = [read_manifest(tmp_path / e)["graphs"]["target"]["ops"]["Transpose"] for e in ("with", "without")]
     assert ops[1] - ops[0] == 2 * layers
@@ -106,7 +118,7 @@ def test_head_layouts_keep_every_number(models, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ENGINES)
 def test_ort_speculative_matches_vanilla_and_torch(name, engines, models, prompts):
-    target, head, tree, floor = ENGINES[name]
+    target, head, tree, floor, _ = ENGINES[name]
     ort_backend, torch_backend = OrtBackend(engines[name]), TorchBackend(models[target])
     assert ort_backend.draft_kind == head and ort_backend.spec == torch_backend.spec
     torch_vanilla = VanillaGenerator(torch_backend)

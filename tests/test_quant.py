@@ -107,6 +107,17 @@ def _int8_op(engine) -> str:
     return "LinearQ8" if read_manifest(engine)["kernels"] else "MatMulNBits"
 
 
+def _exact_keys(engine) -> int | None:
+    """The keys per call a row-independent quantized engine stays exact within: no bound on eaglex's TreeAttention,
+    the decomposed attention's 1024 otherwise."""
+    return None if "TreeAttention" in (read_manifest(engine)["kernels"] or {}).get("ops", {}) else 1024
+
+
+def _rules(engine) -> dict:
+    keys = _exact_keys(engine)
+    return {"row_independent_keys": keys} if keys else {}
+
+
 def _copy_engine(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -290,7 +301,8 @@ def test_nbits_target_graph_runs_close_to_fp32(float_engine, models, tmp_path, b
     attrs = {a.name: a.i for a in nbits[0].attribute}
     assert attrs["bits"] == bits and attrs["block_size"] == 32 and attrs["accuracy_level"] == 4
     ops = [n.op_type for n in m.graph.node]
-    assert "Attention" not in ops and ops.count("FusedMatMul") == 3 * L
+    fused = _exact_keys(float_engine) is None                       # eaglex.TreeAttention: one node a layer
+    assert "Attention" not in ops and ops.count("TreeAttention" if fused else "FusedMatMul") == (1 if fused else 3) * L
     assert {p.key for p in m.metadata_props} >= {"eaglex.engine_id", "eaglex.graph"}
     parity = target_parity(float_engine, tmp_path, read_manifest(float_engine))
     # 4-bit blocks of this tiny random fixture move its logits far more than a trained model's (quality on SmolLM2:
@@ -524,7 +536,7 @@ def test_w8a8_engine_check_is_token_exact(float_engine, models, tmp_path, prompt
     m = quantize_engine(e, "w8a8", data=str(calib_data), progress=False)
     assert m["quant"]["method"] == "w8a8" and m["quant"]["calibration"]["data"] == str(calib_data)
     assert m["graphs"]["target"]["ops"]["MatMulInteger"] == 4 * L + 1
-    assert m["exactness"] == {"row_independent_keys": 1024} and m["dtypes"]["weights"] == "int8"
+    assert m["exactness"] == _rules(float_engine) and m["dtypes"]["weights"] == "int8"
     for tree in ("chain:3", "dynamic:8/4/2"):
         _check_engine(e, tmp_path, prompts, capsys, "--tree", tree, "--batch", "4")
     eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))
@@ -554,15 +566,18 @@ def test_nbits_engine_check_is_token_exact(float_engine, models, tmp_path, promp
     e = _copy_engine(float_engine, tmp_path / quant)
     m = quantize_engine(e, quant, progress=False)
     assert m["quant"]["method"] == quant and m["quant"]["calibration"] is None
-    op = _int8_op(float_engine) if quant == "int8" else "MatMulNBits"
-    assert m["dtypes"]["weights"] == quant and m["graphs"]["target"]["ops"][op] == 4 * L + 1
+    op = {"int8": _int8_op(float_engine), "int4": "LinearQ4" if _int8_op(float_engine) == "LinearQ8"
+          else "MatMulNBits"}[quant]
+    ops = m["graphs"]["target"]["ops"]
+    head = ops.get("LinearQ8", 0) if op == "LinearQ4" else 0          # LinearQ4 engines keep lm_head on LinearQ8
+    assert m["dtypes"]["weights"] == quant and ops[op] + head == 4 * L + 1
     assert "Attention" not in m["graphs"]["target"]["ops"]
     assert m["quant"]["bytes_after"] < m["quant"]["bytes_before"]
     assert op not in m["graphs"]["draft"]["ops"]                    # the head stays float unless asked
     assert not list(tmp_path.glob(f".{quant}.*"))                 # no leftovers of the atomic swap
-    assert m["exactness"] == {"row_independent_keys": 1024} and m["tree"] is None
+    assert m["exactness"] == _rules(float_engine) and m["tree"] is None
     b = OrtBackend(e)                                               # hashes match the new manifest
-    assert (b.min_rows, b.exact_trees, b.batch_exact, b.exact_keys) == (1, None, True, 1024)
+    assert (b.min_rows, b.exact_trees, b.batch_exact, b.exact_keys) == (1, None, True, _exact_keys(float_engine))
     for tree in ("chain:3", "dynamic:8/4/2"):
         _check_engine(e, tmp_path, prompts, capsys, "--tree", tree, "--batch", "4")
     eng = open_engine(e, tree=TreeConfig.parse("dynamic:8/4/2"))

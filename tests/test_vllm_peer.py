@@ -75,7 +75,7 @@ def test_ld_preload_value(paths, existing, want):
 def test_the_script_prints_ld_preload_for_the_makefile(tmp_path):
     python = _fake_venv(tmp_path)
     out = subprocess.run([sys.executable, str(Path(E.__file__)), str(python)], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split(":")[0] == str(tmp_path / "venv" / "lib" / E.IOMP)
+    assert out.returncode == 0 and out.stdout.strip().split(":")[0] == str(tmp_path / "venv" / "lib" / E.IOMP)
 
 
 # --------------------------------------------------------------------------- command line, environment, protocol
