@@ -188,10 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     bld.add_argument("--out", type=Path, required=True, help="engine folder to write, e.g. engines/NAME")
     bld.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     bld.add_argument("--force", action="store_true", help="replace an existing engine folder")
-    bld.add_argument("--kernels", choices=("auto", "eaglex", "stock"), default="auto",
-                     help="onnxruntime: eaglex's batch-invariant linear-layer kernels (LinearF32, int8 LinearQ8; "
-                          "faster at every row count) or ONNX Runtime's stock ops (MatMul, MatMulNBits); auto: "
-                          "eaglex's where its kernel library is built here (`make setup`). The manifest records it")
+    bld.add_argument("--kernels", choices=("auto", "eaglex", "linear", "stock"), default="auto",
+                     help="onnxruntime: eaglex's batch-invariant kernels: its linear layers (LinearF32, int8 LinearQ8, "
+                          "int4 LinearQ4) and one TreeAttention node a layer (eaglex), its linear layers only "
+                          "(linear), or ONNX Runtime's stock ops (stock); auto: linear where the kernel library is "
+                          "built here (`make setup`; TreeAttention is faster at one row but not yet at many rows over "
+                          "long contexts), else stock. The manifest records it")
     q = bld.add_argument_group("quantization")
     q.add_argument("--quant", choices=("fp8", "int8", "int4", "w8a8"),
                    help="fp8: FP8 Q/DQ from calibrated scales (onnxruntime; exact with chain trees, one request at "

@@ -31,7 +31,10 @@ from eaglex.base.prompts import TOKENIZER_FILES, has_tokenizer, tokenizer_class
 from eaglex.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, default_method, sha256_file, write_manifest
 
 BACKENDS = ("onnxruntime",)
-KERNELS = ("auto", "eaglex", "stock")     # auto: eaglex's kernels where the library is built here, else stock ops
+# eaglex: the library's linear layers and TreeAttention; linear: its linear layers, the attention on stock ops; auto:
+# `linear` where the library is built here, else stock. auto leaves TreeAttention out while it is slower than the
+# stock attention on many-row calls at long contexts (docs/step.md: it re-reads each KV head per query row and head).
+KERNELS = ("auto", "eaglex", "linear", "stock")
 DTYPES = ("float32", "float16")     # ORT's CPU EP has no bfloat16 GEMM
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOOLS = ("eaglex", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy")
@@ -39,20 +42,21 @@ TOOLS = ("eaglex", "torch", "transformers", "onnx", "onnxruntime", "onnxscript",
 
 def build_engine(target_dir, draft_dir, out_dir, backend: str = "onnxruntime", dtype: str = "float32",
                  force: bool = False, progress: bool = True, kernels: str = "auto") -> dict:
-    """Build the engine folder `out_dir`; returns its manifest. `kernels`: eaglex's linear layers (the kernel
-    library, runtime/kernels.py) or ONNX Runtime's stock ops; auto takes eaglex's where the library is built.
-    Bad input raises a one-line ModelError."""
+    """Build the engine folder `out_dir`; returns its manifest. `kernels` (KERNELS): which layers run on eaglex's
+    kernel library (runtime/kernels.py) rather than ONNX Runtime's stock ops. Bad input raises a one-line
+    ModelError."""
     t0 = time.perf_counter()
     if backend not in BACKENDS:
         raise ModelError(f"backend {backend!r} cannot be built yet; choose {', '.join(BACKENDS)}")
     if dtype not in DTYPES:
         raise ModelError(f"dtype {dtype!r} is not available for ONNX Runtime engines; choose {' or '.join(DTYPES)}")
     use_kernels = _use_kernels(kernels, dtype)
+    fused_attention = use_kernels and kernels == "eaglex"
     target_dir, out = Path(target_dir), Path(out_dir)
     draft_dir = Path(draft_dir) if draft_dir is not None else None
     check_out(out, force, (MANIFEST,), "an engine folder")
     with staged(out) as tmp:
-        manifest = _build(target_dir, draft_dir, tmp, dtype, progress, use_kernels)
+        manifest = _build(target_dir, draft_dir, tmp, dtype, progress, use_kernels, fused_attention)
         manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
         write_manifest(tmp, manifest)
     return manifest
@@ -67,12 +71,12 @@ def _use_kernels(kernels: str, dtype: str) -> bool:
         return False
     if dtype != "float32":
         raise ModelError(f"eaglex's kernels take float32 engines; build {dtype} with --kernels stock")
-    library.require("--kernels eaglex needs eaglex's kernel library")
+    library.require(f"--kernels {kernels} needs eaglex's kernel library")
     return True
 
 
 def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, progress: bool,
-           use_kernels: bool = False) -> dict:
+           use_kernels: bool = False, fused_attention: bool = False) -> dict:
     from eaglex.export.onnx_export import OPSET
     from eaglex.runtime.types import TreeConfig
 
@@ -83,7 +87,7 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
     meta = {"eaglex.engine_id": engine_id, "eaglex.format_version": str(FORMAT_VERSION)}
 
     target_section, draft_section, graphs, references = _export(target_dir, draft_dir, tmp, dtype, meta, progress,
-                                                                 use_kernels)
+                                                                 fused_attention)
     _release_memory()                          # torch's weights are gone before ORT loads its own copy
     if use_kernels:
         _on_kernels(tmp, graphs, progress)
@@ -118,9 +122,10 @@ def _build(target_dir: Path, draft_dir: Path | None, tmp: Path, dtype: str, prog
     }
 
 
-def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: bool, use_kernels: bool = False):
+def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: bool,
+            fused_attention: bool = False):
     """Load the torch models, export every graph, keep torch's parity outputs; the models die with this frame.
-    `use_kernels`: the attention as eaglex's fused op (its linear layers follow in _on_kernels)."""
+    `fused_attention`: each layer's attention as eaglex.TreeAttention."""
     from eaglex.export.graphs import draft_graphs, target_graph
     from eaglex.export.layout import to_matmul_layout
     from eaglex.export.onnx_export import export_graph
@@ -148,7 +153,7 @@ def _export(target_dir, draft_dir, tmp: Path, dtype: str, meta: dict, progress: 
     specs = [target_graph(target)] + (draft_graphs(head) if head is not None else [])
     graphs, references = {}, {}
     for spec in tqdm(specs, desc="export", unit="graph", disable=not progress, file=sys.stderr):
-        res = export_graph(spec, tmp, {**meta, "eaglex.graph": spec.name}, fused_attention=use_kernels)
+        res = export_graph(spec, tmp, {**meta, "eaglex.graph": spec.name}, fused_attention=fused_attention)
         references[spec.name] = reference_cases(spec)
         graphs[spec.name] = {"file": res.path.name, "files": [f.name for f in res.files],
                              "inputs": spec.input_names, "outputs": spec.output_names,

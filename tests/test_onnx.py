@@ -18,6 +18,7 @@ from eaglex.base.errors import ModelError
 from eaglex.cli import main
 from eaglex.engines.build import build_engine
 from eaglex.runtime import cost as cost_mod
+from eaglex.runtime import kernels as library
 from eaglex.runtime.backend import ONE
 from eaglex.runtime.cost import CostCurve, cost_curve
 from eaglex.runtime.generate import SpeculativeGenerator, VanillaGenerator
@@ -27,8 +28,10 @@ from eaglex.runtime.torch_backend import TorchBackend
 from eaglex.runtime.types import TreeConfig
 
 MAX_NEW = 40
+# every kernel eaglex has (TreeAttention included) where the library is built, else stock ops
+ALL_KERNELS = "eaglex" if library.available() else "stock"
 ENGINES = {   # engine -> (target, head, tree the loop drafts with, tau floor, kernels)
-    "llama-eagle3": ("llama", "eagle3", TreeConfig.parse("dynamic:60/8/10"), 2.0, "auto"),
+    "llama-eagle3": ("llama", "eagle3", TreeConfig.parse("dynamic:60/8/10"), 2.0, ALL_KERNELS),
     "qwen2-eagle1": ("qwen2", "eagle1", TreeConfig("static"), 1.5, "stock"),
 }
 
