@@ -13,8 +13,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from test_kernels import runnable_isas
 
-from eaglex.base.errors import ModelError
 from eaglex.runtime import kernels, ort_session
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,19 +112,6 @@ def session(scale: float, isa: str | None = None, monkeypatch=None) -> ort.Infer
     if isa is not None:
         monkeypatch.delenv("EAGLEX_ISA")
     return sess
-
-
-def runnable_isas(monkeypatch) -> list[str]:
-    out = []
-    for isa in ("portable", "avx2", "avx512"):
-        monkeypatch.setenv("EAGLEX_ISA", isa)
-        try:
-            kernels.isa()
-            out.append(isa)
-        except ModelError:
-            pass
-    monkeypatch.delenv("EAGLEX_ISA")
-    return out
 
 
 def run(sess, feeds: dict) -> tuple[np.ndarray, ...]:
